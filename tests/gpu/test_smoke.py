@@ -1,0 +1,36 @@
+"""Plumbing: the driver layer, a compiled CuTe DSL kernel launched on our stream, the results."""
+
+import cutlass
+import cutlass.cute as cute
+import numpy as np
+from cuda.bindings import driver as cu
+
+from cutlass_kernels._common import fake_ptr, fake_stream, gmem_ptr
+from engine.cuda.driver import device_array, to_device
+
+
+def test_scale_kernel_roundtrip(cuda_ctx, stream):
+    @cute.kernel
+    def kern(mA: cute.Tensor, mB: cute.Tensor, n: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * 128 + tidx
+        if i < n:
+            mB[i] = (mA[i] * 2.0).to(cutlass.Float32)
+
+    @cute.jit
+    def host(a: cute.Pointer, b: cute.Pointer, n: cutlass.Int32, s: cu.CUstream):
+        mA = cute.make_tensor(a, cute.make_layout(n))
+        mB = cute.make_tensor(b, cute.make_layout(n))
+        kern(mA, mB, n).launch(grid=[(n + 127) // 128, 1, 1], block=[128, 1, 1], stream=s)
+
+    compiled = cute.compile(host, fake_ptr("f32"), fake_ptr("f32"), cutlass.Int32(1),
+                            fake_stream())
+    n = 1000
+    x = np.random.default_rng().standard_normal(n).astype(np.float32)
+    a = to_device(x)
+    b = device_array(n, np.float32)
+    b.fill_bytes(0xFF, stream)  # poison (NaN)
+    compiled(gmem_ptr("f32", a.ptr), gmem_ptr("f32", b.ptr), cutlass.Int32(n), stream.handle)
+    stream.synchronize()
+    np.testing.assert_array_equal(b.download(), 2 * x)

@@ -1,0 +1,25 @@
+"""Every numeric tolerance the tests use, in one table (STYLE.md lesson 9).
+
+rtol_norm: bound on ||out - ref|| / ||ref|| ; atol: elementwise absolute bound.
+"""
+
+from __future__ import annotations
+
+TOL: dict[str, dict[str, float]] = {
+    # bit-exact or near: gathers and copies
+    "embedding": {"atol": 0.0},
+    # bf16 outputs of fp32 math: one bf16 ulp (2^-8 relative) plus accumulation-order noise
+    "rmsnorm": {"rtol_norm": 4e-3, "atol": 3e-2},
+    "rope_kv": {"rtol_norm": 4e-3, "atol": 3e-2},
+    "silu_mul": {"rtol_norm": 4e-3, "atol": 3e-2},
+    "gemm": {"rtol_norm": 5e-3},
+    "attention": {"rtol_norm": 5e-3},
+    "logits": {"rtol_norm": 1e-3},
+    # logprob comparisons (nats)
+    "ref_vs_hf_f32": {"max_abs": 1e-3},
+    "numpy_backend_vs_golden": {"max_abs": 2e-3},
+    "cuda_vs_numpy_mean": {"mean_abs": 0.02},
+    "cuda_vs_numpy_max": {"max_abs": 0.15},
+    "cuda_vs_hf_bf16_mean": {"mean_abs": 0.03},
+    "cuda_vs_hf_bf16_p99": {"p99_abs": 0.15},
+}
