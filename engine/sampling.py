@@ -1,4 +1,4 @@
-"""Sampling math, defined once: the numpy executor uses it and the GPU sampler's tests compare to it.
+"""Sampling math, defined once: the numpy executor uses it; the GPU sampler tests compare to it.
 
 Randomness is a counter-based hash of (seed, step, token index), so a request's draws depend only
 on its own seed and on how many tokens it has generated: reproducible across batch compositions,

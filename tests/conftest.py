@@ -1,0 +1,63 @@
+"""Shared fixtures: golden checkpoints rebuilt from their seeds (no weights in git)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+GOLDENS = Path(__file__).parent / "goldens"
+
+
+def golden_names() -> list[str]:
+    return [k for k in json.loads((GOLDENS / "index.json").read_text()) if not k.startswith("_")]
+
+
+@pytest.fixture(scope="session")
+def golden_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("goldens")
+
+
+@pytest.fixture(scope="session")
+def golden_case(golden_root: Path):
+    """golden_case(name) -> (checkpoint dir, golden arrays). Checks the weights' sha256."""
+    from tools.make_goldens import build_case, weights_sha256
+
+    index = json.loads((GOLDENS / "index.json").read_text())
+    made: dict[str, tuple[Path, dict]] = {}
+
+    def get(name: str) -> tuple[Path, dict]:
+        if name not in made:
+            d = build_case(name, golden_root)
+            assert weights_sha256(d) == index[name]["weights_sha256"], (
+                f"tools/make_checkpoint.py no longer reproduces the weights of golden {name}; "
+                "regenerate the goldens (python -m tools.make_goldens) in a torch environment")
+            data = dict(np.load(GOLDENS / f"{name}.npz"))
+            made[name] = (d, data)
+        return made[name]
+
+    return get
+
+
+def split_sequences(data: dict) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per sequence: tokens, target logprobs, top ids, top logprobs."""
+    out = []
+    off = 0
+    for n in data["lens"]:
+        sl = slice(off, off + int(n))
+        out.append((data["tokens"][sl], data["target_logprobs"][sl], data["top_ids"][sl],
+                    data["top_logprobs"][sl]))
+        off += int(n)
+    return out
+
+
+def greedy_cases(data: dict) -> list[tuple[list[int], list[int]]]:
+    out = []
+    off = 0
+    for i, n in enumerate(data["greedy_prompt_lens"]):
+        out.append((data["greedy_prompts"][off:off + int(n)].tolist(),
+                    data["greedy_tokens"][i].tolist()))
+        off += int(n)
+    return out
