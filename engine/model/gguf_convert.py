@@ -1,0 +1,300 @@
+"""Convert a llama-architecture GGUF file into a Hugging Face checkpoint directory.
+
+The embedded default model ships only as a GGUF file (see ``fetch.py``). It is converted once into
+the cache, and from then on it is an ordinary checkpoint for the loader and the tokenizer:
+
+    config.json              LlamaForCausalLM, transformers 4.x form, every value from the metadata
+    model.safetensors        bf16 weights (dequantized) under HF names
+    tokenizer.json           byte-level BPE rebuilt from tokenizer.ggml.* with `tokenizers`
+    tokenizer_config.json    bos/eos/unk/pad, add_bos_token, chat_template
+    generation_config.json   bos/eos/pad ids
+
+GGUF lists tensor dims fastest-first; the reader's arrays are already in numpy (row-major) order,
+so ``[576, 49152]`` in the file is a ``(49152, 576)`` = HF ``[out, in]`` array here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from engine import envs
+from engine.model import fetch
+
+# Bump when the output changes, so that stale conversions in users' caches are not reused.
+CONVERTER_VERSION = 1
+
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                   "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# tokenizer.ggml.pre values whose split is GPT-2's byte-level regex, optionally after splitting
+# digits one by one (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM: "\p{N}" then the GPT-2 regex).
+_PRE_TOKENIZERS = {"gpt2": False, "default": False, "smollm": True}
+_CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+
+
+class GGUFConvertError(ValueError):
+    """A GGUF file this converter does not support. The message says what is supported."""
+
+
+def default_model_dir() -> Path:
+    """The embedded default model (SmolLM2-135M-Instruct) as an HF checkpoint directory.
+
+    Downloads and converts on first use (a few seconds, printed); instant afterwards.
+    """
+    gguf_path = fetch.smollm2_gguf_path()
+    out = envs.cache_dir() / "models" / f"{gguf_path.stem}.hf-v{CONVERTER_VERSION}"
+    if out.is_dir():  # directories appear only by rename, complete
+        return out
+    print(f"cuteinfer: converting {gguf_path.name} to a bf16 checkpoint in {out} (once) ...",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    convert_gguf(gguf_path, out)
+    print(f"cuteinfer: converted in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return out
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Write the HF checkpoint of ``gguf_path`` to ``out_dir`` (which must not exist yet).
+
+    The files are written into a temporary sibling directory that is renamed when complete.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} exists; remove it to convert again")
+    reader = GGUFReader(gguf_path)
+    meta = read_metadata(reader)
+    config = hf_config(meta, {t.name for t in reader.tensors})
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        save_file(convert_tensors(reader, config), str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        build_tokenizer(meta).save(str(tmp / "tokenizer.json"))
+        for name, content in (("config.json", config),
+                              ("tokenizer_config.json", tokenizer_config(meta)),
+                              ("generation_config.json", generation_config(meta))):
+            (tmp / name).write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n",
+                                    encoding="utf-8")
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not out_dir.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another process finished the same conversion first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def read_metadata(reader: GGUFReader) -> dict[str, Any]:
+    return {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def _field_value(field: ReaderField) -> Any:
+    # What ReaderField.contents() returns in newer gguf releases (older ones lack it).
+    def text(part: np.ndarray) -> str:
+        return part.tobytes().decode("utf-8")
+
+    if field.types[0] == GGUFValueType.ARRAY:
+        if field.types[-1] == GGUFValueType.STRING:
+            return [text(field.parts[i]) for i in field.data]
+        return [v for i in field.data for v in field.parts[i].tolist()]
+    if field.types[0] == GGUFValueType.STRING:
+        return text(field.parts[-1])
+    return field.parts[-1].tolist()[0]
+
+
+def _f32(value: float) -> float:
+    # Metadata floats are float32: 1e-5 is stored as 9.99999974e-06. Keep the shortest repr.
+    return float(str(np.float32(value)))
+
+
+def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    """``config.json`` contents, every hyperparameter from the GGUF metadata."""
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise GGUFConvertError(f"GGUF architecture {arch!r} is not supported: use a 'llama' GGUF")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFConvertError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, n_head = int(get("embedding_length")), int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_head)
+    if isinstance(n_kv, list):
+        raise GGUFConvertError("per-layer attention.head_count_kv is not supported")
+    head_dim = int(get("attention.key_length", hidden // n_head))
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise GGUFConvertError("partial rotary embeddings (rope.dimension_count) are not supported")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none" or "rope_freqs.weight" in tensor_names:
+        raise GGUFConvertError("RoPE scaling is not supported; use a GGUF without rope scaling")
+    if int(meta.get(f"{arch}.expert_count", 0)):
+        raise GGUFConvertError("mixture-of-experts GGUFs are not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
+    if not vocab:
+        raise GGUFConvertError(f"GGUF metadata gives no vocabulary size ({arch}.vocab_size)")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": int(n_kv),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(get("context_length")),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **_special_ids(meta),
+        "torch_dtype": "bfloat16",
+    }
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py, ``LlamaModel.permute``).
+
+    The converter maps HF's half-split (neox) rotary layout to GGML's interleaved one, per head:
+    ``w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2).reshape(w.shape)``, i.e. the
+    row at (head h, half a, index i) moves to (h, i, a). Here (h, i, a) goes back to (h, a, i).
+    """
+    d = w.shape[0]
+    return w.reshape(n_head, d // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if suffix != "weight":
+        raise GGUFConvertError(f"tensor {gguf_name}: only weights (no biases) are supported")
+    if base in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[base]}.weight"
+    parts = base.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}.weight"
+    raise GGUFConvertError(f"tensor {gguf_name} has no place in a LlamaForCausalLM checkpoint")
+
+
+def convert_tensors(reader: GGUFReader, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every tensor dequantized, Q/K un-permuted, as bf16 under its HF name."""
+    out: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_tensor_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape))
+        w = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
+        w = np.asarray(w, dtype=np.float32).reshape(shape)
+        if name.endswith("self_attn.q_proj.weight"):
+            w = unpermute_qk(w, config["num_attention_heads"])
+        elif name.endswith("self_attn.k_proj.weight"):
+            w = unpermute_qk(w, config["num_key_value_heads"])
+        out[name] = w.astype(ml_dtypes.bfloat16)
+    return out
+
+
+def _special_ids(meta: dict[str, Any]) -> dict[str, int]:
+    keys = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+            "pad_token_id": "padding_token_id"}
+    return {hf: int(meta[f"tokenizer.ggml.{k}"]) for hf, k in keys.items()
+            if f"tokenizer.ggml.{k}" in meta}
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """``tokenizer.json`` from the GGUF's byte-level BPE vocabulary and merges."""
+    model, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if model != "gpt2":
+        raise GGUFConvertError(f"tokenizer.ggml.model {model!r}: only byte-level BPE ('gpt2') "
+                               "tokenizers are supported")
+    if pre not in _PRE_TOKENIZERS:
+        raise GGUFConvertError(f"tokenizer.ggml.pre {pre!r} is not supported; "
+                               f"supported: {sorted(_PRE_TOKENIZERS)}")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tk = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if _PRE_TOKENIZERS[pre] else byte_level
+    )
+    tk.decoder = decoders.ByteLevel()
+    tk.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Control tokens (<|im_end|>...) are special: matched whole, skipped when decoding with
+    # skip_special_tokens. User-defined ones are matched whole but are ordinary text.
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, k in zip(tokens, types, strict=True) if k == _CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, k in zip(tokens, types, strict=True) if k == _USER_DEFINED])
+    if tk.get_vocab_size(with_added_tokens=True) != len(tokens):
+        raise GGUFConvertError("rebuilt tokenizer size differs from the GGUF vocabulary")
+    return tk
+
+
+def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+
+    def token(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "bos_token": token("bos_token_id"),
+        "eos_token": token("eos_token_id"),
+        "unk_token": token("unknown_token_id"),
+        "pad_token": token("padding_token_id"),
+        "clean_up_tokenization_spaces": False,
+    }
+    if "llama.context_length" in meta:
+        config["model_max_length"] = int(meta["llama.context_length"])
+    if meta.get("tokenizer.chat_template"):
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return config
+
+
+def generation_config(meta: dict[str, Any]) -> dict[str, Any]:
+    ids = _special_ids(meta)
+    eos = [ids[k] for k in ("eos_token_id",) if k in ids]
+    eot = meta.get("tokenizer.ggml.eot_token_id")  # end-of-turn also ends generation
+    if eot is not None and int(eot) not in eos:
+        eos.append(int(eot))
+    if eos:
+        ids["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    return ids
