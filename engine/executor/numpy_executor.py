@@ -1,0 +1,83 @@
+"""The numpy executor: the CPU reference backend, paged exactly like the GPU one.
+
+KV pages use the GPU layout (``[num_pages, num_kv_heads, page_size, head_dim]`` per layer, K and
+V apart) but hold float32: this backend is the oracle, so it keeps the reference model's float32
+math end to end. Attention reads each sequence's KV through its row of the page-index table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.executor.base import Executor, ExecutorError, Logprobs, StepBatch, StepOutput
+from engine.model.loader import Checkpoint
+from engine.model.reference import ReferenceModel, attention
+from engine.sampling import compute_logprobs, sample
+
+F32 = np.float32
+
+
+class NumpyExecutor(Executor):
+    def __init__(self, ckpt: Checkpoint, num_pages: int, page_size: int) -> None:
+        self.model = ReferenceModel(ckpt)
+        cfg = self.config = ckpt.config
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (num_pages, cfg.num_key_value_heads, page_size, cfg.head_dim)
+        self.k_cache = [np.zeros(shape, F32) for _ in range(cfg.num_hidden_layers)]
+        self.v_cache = [np.zeros(shape, F32) for _ in range(cfg.num_hidden_layers)]
+
+    @staticmethod
+    def bytes_per_page(ckpt: Checkpoint, page_size: int) -> int:
+        c = ckpt.config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * page_size * c.head_dim * 4
+
+    def _check(self, b: StepBatch) -> None:
+        limit = self.num_pages * self.page_size
+        if b.num_tokens and (b.slot_mapping.min() < 0 or b.slot_mapping.max() >= limit):
+            raise ExecutorError(f"slot_mapping outside the KV cache (0..{limit - 1})")
+        if b.page_indices.size and (b.page_indices.min() < 0
+                                    or b.page_indices.max() >= self.num_pages):
+            raise ExecutorError("page_indices outside the KV cache")
+        if b.num_tokens and b.input_ids.max() >= self.config.vocab_size:
+            raise ExecutorError("input id outside the vocabulary")
+
+    def hidden_states(self, b: StepBatch) -> np.ndarray:
+        """Run every layer; returns the final hidden states [T, hidden] (before the norm)."""
+        self._check(b)
+        m, ps = self.model, self.page_size
+        x = m.embed[b.input_ids]
+        page = b.slot_mapping // ps
+        off = b.slot_mapping % ps
+        cu = b.cu_seqlens_q
+        for li in range(self.config.num_hidden_layers):
+            q, k, v = m.qkv(li, x, b.positions)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[page, :, off, :] = k
+            vc[page, :, off, :] = v
+            out = np.empty_like(q)
+            for s in range(b.num_seqs):
+                lo, hi = int(cu[s]), int(cu[s + 1])
+                if hi == lo:
+                    continue
+                ctx = int(b.context_lens[s])
+                pages = b.page_indices[s, :-(-ctx // ps)]
+                kk = kc[pages].transpose(0, 2, 1, 3).reshape(-1, kc.shape[1], kc.shape[3])[:ctx]
+                vv = vc[pages].transpose(0, 2, 1, 3).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
+                out[lo:hi] = attention(q[lo:hi], kk, vv, b.positions[lo:hi], m.scale)
+            x = m.attn_out_and_mlp(li, x, out)
+        return x
+
+    def execute(self, b: StepBatch) -> StepOutput:
+        x = self.hidden_states(b)
+        rows = np.concatenate([b.sample_token_idx, b.prompt_logprob_idx]).astype(np.int64)
+        logits = self.model.logits(x[rows]) if rows.size else np.zeros((0, 1), F32)
+        s = b.sample_token_idx.shape[0]
+        lg, pl = logits[:s], logits[s:]
+        tokens = sample(lg, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.sample_steps)
+        lp: Logprobs | None = None
+        if s and (b.num_logprobs >= 0).any():
+            lp = compute_logprobs(lg, tokens, int(b.num_logprobs.max()))
+        plp = None
+        if pl.shape[0]:
+            plp = compute_logprobs(pl, b.prompt_logprob_targets, b.prompt_num_logprobs)
+        return StepOutput(sampled=tokens, logprobs=lp, prompt_logprobs=plp)

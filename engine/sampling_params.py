@@ -1,0 +1,97 @@
+"""SamplingParams, as vLLM names them. Invalid values raise a typed error naming the field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter out of range or of the wrong type. ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        self.field = field_name
+        super().__init__(f"SamplingParams.{field_name}: {message}")
+
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int | None = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 (or -1) = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per generated token (0 = the chosen only)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    stop_strs: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: object) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool)
+
+        if self.n != 1:
+            raise SamplingParamsError("n", f"only n=1 is supported, got {self.n!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise SamplingParamsError("max_tokens",
+                                      f"must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not is_num(self.temperature) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise SamplingParamsError("temperature",
+                                      f"must be a finite number >= 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise SamplingParamsError("top_k", f"must be an integer >= 0 (0 or -1 = off), got "
+                                      f"{self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise SamplingParamsError("seed", f"must be an integer in [0, 2^64), got "
+                                      f"{self.seed!r}")
+        stop = self.stop
+        if stop is None:
+            stops: list[str] = []
+        elif isinstance(stop, str):
+            stops = [stop]
+        elif isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop):
+            stops = list(stop)
+        else:
+            raise SamplingParamsError("stop", f"must be a string or a list of strings, got "
+                                      f"{stop!r}")
+        if any(s == "" for s in stops):
+            raise SamplingParamsError("stop", "stop strings must not be empty")
+        self.stop_strs = stops
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(
+                is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("stop_token_ids", "must be a list of non-negative "
+                                      f"integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise SamplingParamsError(name, f"must be None or an integer in [0, "
+                                          f"{MAX_LOGPROBS}], got {v!r}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
