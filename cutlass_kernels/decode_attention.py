@@ -1,0 +1,386 @@
+"""Paged decode attention: one query token per sequence, GQA, split-KV with a log-sum-exp combine.
+
+    out[b, qh] = softmax_t(q[b, qh] . K[b, kvh, t] * scale) @ V[b, kvh, t],  t < context_lens[b]
+
+with kvh = qh // (nq / nkv). Scores, softmax and P.V are fp32; the output is rounded to bf16.
+
+Grid: one CTA per (kv head, split, sequence), 128 threads. The CTA loads each (page, kv head)
+tile of K and V once and serves all nq/nkv query heads that share it. Split j of a sequence covers
+pages [j * pps, min((j + 1) * pps, n_pages)) with n_pages = ceil(ctx / page_size) and
+pps = ceil(n_pages / num_splits), computed on the device from context_lens, so the grid depends
+only on (B, num_splits), both frozen per CUDA-graph bucket. A split with no pages writes m = -inf,
+l = 0, o = 0 and the combine weights it by 0.
+
+KV cache, per layer, K and V separately (docs/kernels.md):
+
+    cache[num_pages, nkv, page_size, head_dim] bf16; the (page, kv head) tile is contiguous:
+    +-------------------- page_size x head_dim bf16 ------------------+
+    | token 0: d0 .. d7 | d8 .. d15 | ... |   (16-byte chunks)         |
+    | token 1: ...                                                    |
+
+Per page, thread t owns chunk c = t % (head_dim / 8) of token rows r, r + R, ... where
+r = t // (head_dim / 8) and R = 128 / (head_dim / 8) (8 rows for hd 128, 16 for hd 64). It copies
+exactly these 16-byte chunks with cp.async into a ring of `num_stages` shared-memory page buffers
+and later reads only them, so the main loop needs no block barrier. Each row group (the threads
+of one r) keeps its own online-softmax state (m, l, o[8] per query head); the groups merge through
+shared memory at the end.
+
+Outputs: num_splits == 1: out bf16[B, nq * hd] directly. num_splits > 1: the workspace (fp32,
+`decode_workspace_bytes`) holds o_partial[B, nq, S, hd] (unnormalized) followed by
+ml[B, nq, S, 2] (running max in log2 units, sum of exponentials), and a combine kernel (one warp
+per (b, qh)) merges the splits and writes out. Padding rows (context 1, page 0) compute garbage-free
+results like any other row. Constraints: head_dim in {64, 128}, page_size 16, nq % nkv == 0,
+nq / nkv <= 8, pointers 16-byte aligned.
+"""
+
+import cutlass_kernels._common as _common  # noqa: I001  (sets CUTE_DSL_ARCH before cutlass)
+import math
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+LOG2_E = 1.4426950408889634
+NUM_THREADS = 128
+COMBINE_WARPS = 4
+MAX_SPLITS = 64
+MIN_PAGES_PER_SPLIT = 8
+
+
+def decode_workspace_bytes(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """Bytes of fp32 workspace a decode launch with `num_splits` > 1 needs (0 when 1 split)."""
+    if num_splits <= 1:
+        return 0
+    return 4 * batch * num_q_heads * num_splits * (head_dim + 2)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
+                      page_size: int = 16) -> int:
+    """Splits per sequence so that the grid fills the GPU without tiny splits.
+
+    About two resident CTAs per SM keep enough cp.async bytes in flight to stream KV at full
+    bandwidth (each CTA has up to num_stages - 1 pages of K and V in flight); a split should still
+    cover at least MIN_PAGES_PER_SPLIT pages, or the combine costs more than it saves.
+    """
+    ctas = max(1, batch * num_kv_heads)
+    pages = max(1, -(-max_context // page_size))
+    want = -(-2 * num_sms // ctas)
+    return max(1, min(want, pages // MIN_PAGES_PER_SPLIT, MAX_SPLITS))
+
+
+class DecodeAttention:
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
+                 split: bool = False, num_stages: int = 4):
+        if head_dim not in (64, 128):
+            raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
+        if page_size != 16:
+            raise ValueError(f"page_size must be 16, got {page_size}")
+        if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > 8:
+            raise ValueError(f"nq={num_q_heads} must be a multiple (at most 8x) of "
+                             f"nkv={num_kv_heads}")
+        self.nq = num_q_heads
+        self.nkv = num_kv_heads
+        self.hd = head_dim
+        self.ps = page_size
+        self.group = num_q_heads // num_kv_heads
+        self.split = split
+        self.stages = num_stages
+        self.chunks = head_dim // 8  # 16-byte chunks per token row = threads per row group
+        self.rows = NUM_THREADS // self.chunks  # row groups (tokens per pass)
+        self.passes = page_size // self.rows
+        assert self.passes * self.rows == page_size
+        # The merge buffer (rows x group x hd fp32) reuses the K/V stage ring.
+        assert self.rows * self.group * head_dim * 4 <= 2 * num_stages * page_size * head_dim * 2
+
+    @cute.jit
+    def __call__(self, q: cute.Pointer, k_cache: cute.Pointer, v_cache: cute.Pointer,
+                 page_indices: cute.Pointer, context_lens: cute.Pointer, out: cute.Pointer,
+                 workspace: cute.Pointer, batch: cutlass.Int32, page_stride: cutlass.Int32,
+                 num_splits: cutlass.Int32, scale: cutlass.Float32, stream: cuda.CUstream):
+        nq, hd, ch = self.nq, self.hd, self.chunks
+        # (b, qh, chunk, 8) views of q and out: 16-byte vectors per (row, chunk)
+        mQ = cute.make_tensor(q, cute.make_layout((batch, nq, ch, 8),
+                                                  stride=(nq * hd, hd, 8, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((batch, nq, ch, 8),
+                                                    stride=(nq * hd, hd, 8, 1)))
+        mPT = cute.make_tensor(page_indices, cute.make_layout((batch, page_stride),
+                                                              stride=(page_stride, 1)))
+        mCtx = cute.make_tensor(context_lens, cute.make_layout(batch))
+        # workspace: o_partial[B, nq, S, hd] then ml[B, nq, S, 2]
+        mWo = cute.make_tensor(workspace, cute.make_layout(
+            (batch, nq, num_splits, ch, 8),
+            stride=(nq * num_splits * hd, num_splits * hd, hd, 8, 1)))
+        ml_off = cute.assume(batch * nq * num_splits * hd, divby=8)
+        mWml = cute.make_tensor(workspace + ml_off, cute.make_layout(
+            (batch, nq, num_splits, 2), stride=(nq * num_splits * 2, num_splits * 2, 2, 1)))
+
+        copy_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.BFloat16,
+            num_bits_per_copy=128)
+
+        @cute.struct
+        class SharedStorage:
+            # K ring then V ring; reused as the fp32 merge buffer after the main loop
+            sKV: cute.struct.Align[
+                cute.struct.MemRange[cutlass.BFloat16, 2 * self.stages * self.ps * hd], 128]
+            sML: cute.struct.Align[
+                cute.struct.MemRange[cutlass.Float32, self.rows * self.group * 2], 16]
+
+        self.kernel(mQ, k_cache, v_cache, mPT, mCtx, mO, mWo, mWml, num_splits,
+                    scale * LOG2_E, copy_atom, SharedStorage).launch(
+            grid=[self.nkv, num_splits, batch], block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(), stream=stream)
+        if cutlass.const_expr(self.split):
+            units = batch * nq
+            vpl = hd // 32  # combine: lane owns dims [lane * vpl, lane * vpl + vpl)
+            mWo_c = cute.make_tensor(workspace, cute.make_layout(
+                (batch, nq, num_splits, 32, vpl),
+                stride=(nq * num_splits * hd, num_splits * hd, hd, vpl, 1)))
+            mO_c = cute.make_tensor(out, cute.make_layout((batch, nq, 32, vpl),
+                                                          stride=(nq * hd, hd, vpl, 1)))
+            self.combine_kernel(mWo_c, mWml, mO_c, units, num_splits).launch(
+                grid=[(units + COMBINE_WARPS - 1) // COMBINE_WARPS, 1, 1],
+                block=[32 * COMBINE_WARPS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, k_cache: cute.Pointer, v_cache: cute.Pointer,
+               mPT: cute.Tensor, mCtx: cute.Tensor, mO: cute.Tensor, mWo: cute.Tensor,
+               mWml: cute.Tensor, num_splits: cutlass.Int32, scale_log2: cutlass.Float32,
+               copy_atom: cute.CopyAtom, SharedStorage: cutlass.Constexpr):
+        G, ch, rows, ps, hd = self.group, self.chunks, self.rows, self.ps, self.hd
+        f32 = cutlass.Float32
+        neg_inf = -cutlass.Float32.inf
+        tidx, _, _ = cute.arch.thread_idx()
+        kvh, split, b = cute.arch.block_idx()
+        c = tidx % ch
+        r = tidx // ch
+
+        ctx = mCtx[b]
+        n_pages = (ctx + ps - 1) // ps
+        pps = (n_pages + num_splits - 1) // num_splits
+        p_begin = split * pps
+        p_end = cutlass.min(p_begin + pps, n_pages)
+        n_iter = cutlass.max(p_end - p_begin, 0)
+
+        # ---- shared memory: K ring, V ring (reused as the fp32 merge buffer), (m, l) per group
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        kv_elems = self.stages * ps * hd
+        sKV = storage.sKV.get_tensor(cute.make_layout(2 * kv_elems))
+        sML = storage.sML.get_tensor(cute.make_layout((rows, G, 2), stride=(G * 2, 2, 1)))
+        stage_layout = cute.make_layout((self.stages, ps, ch, 8),
+                                        stride=(ps * hd, hd, 8, 1))
+        sK = cute.make_tensor(sKV.iterator, stage_layout)
+        sV = cute.make_tensor(sKV.iterator + kv_elems, stage_layout)
+
+        # ---- q for the G heads of this kv head, pre-scaled into log2 units
+        rQ = cute.make_rmem_tensor((G, 8), f32)
+        for h in cutlass.range_constexpr(G):
+            qv = mQ[b, kvh * G + h, c, None].load().to(f32)
+            rQ[h, None].store(qv * scale_log2)
+
+        # ---- online-softmax state of this row group (replicated over its `ch` threads)
+        rM = cute.make_rmem_tensor(G, f32)
+        rL = cute.make_rmem_tensor(G, f32)
+        rAcc = cute.make_rmem_tensor((G, 8), f32)
+        rM.fill(neg_inf)
+        rL.fill(0.0)
+        rAcc.fill(0.0)
+        rS = cute.make_rmem_tensor((G, self.passes), f32)
+
+        # cp.async ring: group g <-> page p_begin + g. The page index for the next issue is
+        # loaded one iteration ahead, so its latency hides behind a page of compute.
+        for s in cutlass.range_constexpr(self.stages - 1):
+            if s < n_iter:
+                self.issue(k_cache, v_cache, sK, sV, copy_atom, mPT[b, p_begin + s], kvh, r, c,
+                           s)
+            cute.arch.cp_async_commit_group()
+        next_page = cutlass.Int32(0)
+        if self.stages - 1 < n_iter:
+            next_page = mPT[b, p_begin + self.stages - 1]
+
+        for it in cutlass.range(n_iter, unroll=1):
+            nxt = it + (self.stages - 1)
+            if nxt < n_iter:
+                self.issue(k_cache, v_cache, sK, sV, copy_atom, next_page, kvh, r, c,
+                           nxt % self.stages)
+            if nxt + 1 < n_iter:
+                next_page = mPT[b, p_begin + nxt + 1]
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(self.stages - 1)
+            stage = it % self.stages
+            tok0 = (p_begin + it) * ps
+            # scores q.k for this thread's rows, reduced over the row group's threads
+            for i in cutlass.range_constexpr(self.passes):
+                row = r + i * rows
+                kf = sK[stage, row, c, None].load().to(f32)
+                for h in cutlass.range_constexpr(G):
+                    part = (kf * rQ[h, None].load()).reduce(cute.ReductionOp.ADD, 0.0, 0)
+                    for sh in cutlass.range_constexpr(int(math.log2(ch))):
+                        part = part + cute.arch.shuffle_sync_bfly(part, offset=ch >> (sh + 1))
+                    rS[h, i] = part if tok0 + row < ctx else neg_inf
+            # online softmax update; invalid rows carry score -inf and a zeroed V
+            for h in cutlass.range_constexpr(G):
+                m_new = rM[h]
+                for i in cutlass.range_constexpr(self.passes):
+                    m_new = cute.arch.fmax(m_new, rS[h, i])
+                m_use = 0.0 if m_new == neg_inf else m_new
+                alpha = cute.math.exp2(rM[h] - m_use, fastmath=True)
+                rM[h] = m_new
+                rL[h] = rL[h] * alpha
+                rAcc[h, None].store(rAcc[h, None].load() * alpha)
+            for i in cutlass.range_constexpr(self.passes):
+                row = r + i * rows
+                vf = sV[stage, row, c, None].load().to(f32)
+                valid = tok0 + row < ctx
+                for h in cutlass.range_constexpr(G):
+                    m_use = 0.0 if rM[h] == neg_inf else rM[h]
+                    p = cute.math.exp2(rS[h, i] - m_use, fastmath=True)
+                    rL[h] = rL[h] + p
+                    if valid:
+                        rAcc[h, None].store(rAcc[h, None].load() + vf * p)
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+
+        # ---- merge the row groups through shared memory
+        sAcc = cute.make_tensor(cute.recast_ptr(sKV.iterator, dtype=f32),
+                                cute.make_layout((rows, G, ch, 8),
+                                                 stride=(G * hd, hd, 8, 1)))
+        for h in cutlass.range_constexpr(G):
+            sAcc[r, h, c, None].store(rAcc[h, None].load())
+            if c == 0:
+                sML[r, h, 0] = rM[h]
+                sML[r, h, 1] = rL[h]
+        cute.arch.sync_threads()
+
+        if tidx < G * ch:
+            h = tidx // ch
+            cc = tidx % ch
+            m_all = neg_inf
+            for g in cutlass.range_constexpr(rows):
+                m_all = cute.arch.fmax(m_all, sML[g, h, 0])
+            m_use = 0.0 if m_all == neg_inf else m_all
+            l_all = cutlass.Float32(0.0)
+            o = cute.make_rmem_tensor(8, f32)
+            o.fill(0.0)
+            for g in cutlass.range_constexpr(rows):
+                w = cute.math.exp2(sML[g, h, 0] - m_use, fastmath=True)
+                l_all = l_all + sML[g, h, 1] * w
+                o.store(o.load() + sAcc[g, h, cc, None].load() * w)
+            qh = kvh * G + h
+            if cutlass.const_expr(self.split):
+                mWo[b, qh, split, cc, None].store(o.load())
+                if cc == 0:
+                    mWml[b, qh, split, 0] = m_all
+                    mWml[b, qh, split, 1] = l_all
+            else:
+                inv = 0.0 if l_all == 0.0 else 1.0 / l_all
+                mO[b, qh, cc, None].store((o.load() * inv).to(cutlass.BFloat16))
+
+    @cute.jit
+    def issue(self, k_cache: cute.Pointer, v_cache: cute.Pointer, sK: cute.Tensor,
+              sV: cute.Tensor, copy_atom: cute.CopyAtom, page: cutlass.Int32,
+              kvh: cutlass.Int32, r: cutlass.Int32, c: cutlass.Int32, stage: cutlass.Int32):
+        """cp.async this thread's 16-byte chunks of (page, kvh) into ring slot `stage`."""
+        ps, hd = self.ps, self.hd
+        tile_elems = ps * hd
+        # Int64: page * nkv * page_size * head_dim can pass 2^31 elements
+        off = cute.assume((cutlass.Int64(page) * self.nkv + cutlass.Int64(kvh)) * tile_elems,
+                          divby=tile_elems)
+        tile = cute.make_layout((ps, self.chunks, 8), stride=(hd, 8, 1))
+        gK = cute.make_tensor(k_cache + off, tile)
+        gV = cute.make_tensor(v_cache + off, tile)
+        for i in cutlass.range_constexpr(self.passes):
+            row = r + i * self.rows
+            cute.copy(copy_atom, gK[row, c, None], sK[stage, row, c, None])
+            cute.copy(copy_atom, gV[row, c, None], sV[stage, row, c, None])
+
+    @cute.kernel
+    def combine_kernel(self, mWo: cute.Tensor, mWml: cute.Tensor, mO: cute.Tensor,
+                       units: cutlass.Int32, num_splits: cutlass.Int32):
+        f32 = cutlass.Float32
+        neg_inf = -cutlass.Float32.inf
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        unit = bidx * COMBINE_WARPS + tidx // 32
+        vpl = self.hd // 32  # values per lane
+        if unit < units:
+            b = unit // self.nq
+            qh = unit % self.nq
+            m_all = neg_inf
+            for j in cutlass.range(lane, num_splits, 32, unroll=1):
+                m_all = cute.arch.fmax(m_all, mWml[b, qh, j, 0])
+            for sh in cutlass.range_constexpr(5):
+                m_all = cute.arch.fmax(m_all, cute.arch.shuffle_sync_bfly(m_all,
+                                                                           offset=16 >> sh))
+            m_use = 0.0 if m_all == neg_inf else m_all
+            l_all = cutlass.Float32(0.0)
+            for j in cutlass.range(lane, num_splits, 32, unroll=1):
+                l_all = l_all + mWml[b, qh, j, 1] * cute.math.exp2(mWml[b, qh, j, 0] - m_use,
+                                                                  fastmath=True)
+            for sh in cutlass.range_constexpr(5):
+                l_all = l_all + cute.arch.shuffle_sync_bfly(l_all, offset=16 >> sh)
+            acc = cute.make_rmem_tensor(vpl, f32)
+            acc.fill(0.0)
+            for j in cutlass.range(num_splits, unroll=1):
+                w = cute.math.exp2(mWml[b, qh, j, 0] - m_use, fastmath=True)
+                acc.store(acc.load() + mWo[b, qh, j, lane, None].load() * w)
+            inv = 0.0 if l_all == 0.0 else 1.0 / l_all
+            mO[b, qh, lane, None].store((acc.load() * inv).to(cutlass.BFloat16))
+
+
+class DecodeAttentionLauncher:
+    """Typed entry point: device buffers (objects with .ptr, or ints), Python ints, the stream."""
+
+    def __init__(self, nq: int, nkv: int, head_dim: int, page_size: int, single, split):
+        self.nq, self.nkv, self.hd, self.ps = nq, nkv, head_dim, page_size
+        self._single = single
+        self._split = split
+
+    def workspace_bytes(self, batch: int, num_splits: int) -> int:
+        return decode_workspace_bytes(batch, self.nq, self.hd, num_splits)
+
+    def __call__(self, q, k_cache, v_cache, page_indices, context_lens, out, workspace,
+                 batch: int, page_stride: int, num_splits: int, scale: float, stream) -> None:
+        for name, v in (("batch", batch), ("page_stride", page_stride),
+                        ("num_splits", num_splits)):
+            if not isinstance(v, int) or v < 1:
+                raise _common.KernelArgError(f"{name} must be a positive int, got {v!r}")
+        need = decode_workspace_bytes(batch, self.nq, self.hd, num_splits)
+        if need and (workspace is None or getattr(workspace, "nbytes", need) < need):
+            raise _common.KernelArgError(f"num_splits={num_splits} needs a workspace of {need} "
+                                         "bytes (decode_workspace_bytes)")
+        ws = _common.addr(workspace) if workspace is not None else _common.addr(out)
+        fn = self._split if num_splits > 1 else self._single
+        fn(_common.gmem_ptr("bf16", _common.addr(q)),
+           _common.gmem_ptr("bf16", _common.addr(k_cache)),
+           _common.gmem_ptr("bf16", _common.addr(v_cache)),
+           _common.gmem_ptr("i32", _common.addr(page_indices)),
+           _common.gmem_ptr("i32", _common.addr(context_lens)),
+           _common.gmem_ptr("bf16", _common.addr(out)),
+           _common.gmem_ptr("f32", ws),
+           cutlass.Int32(batch), cutlass.Int32(page_stride), cutlass.Int32(num_splits),
+           cutlass.Float32(scale), stream)
+
+
+def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool):
+    op = DecodeAttention(nq, nkv, head_dim, page_size, split=split)
+    f = _common.fake_ptr
+    return cute.compile(op, f("bf16"), f("bf16"), f("bf16"), f("i32"), f("i32"), f("bf16"),
+                        f("f32"), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
+                        cutlass.Float32(1.0), _common.fake_stream())
+
+
+def compile_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
+                             page_size: int = 16) -> DecodeAttentionLauncher:
+    """Compile (once per shape) the single-split and the split + combine variants."""
+    key = ("decode_attention", num_q_heads, num_kv_heads, head_dim, page_size)
+
+    def build() -> DecodeAttentionLauncher:
+        return DecodeAttentionLauncher(
+            num_q_heads, num_kv_heads, head_dim, page_size,
+            _compile(num_q_heads, num_kv_heads, head_dim, page_size, False),
+            _compile(num_q_heads, num_kv_heads, head_dim, page_size, True))
+
+    return _common.cached_compile(key, build)

@@ -1,0 +1,221 @@
+"""GPU: paged decode attention and causal varlen prefill attention against float64 numpy.
+
+Fresh random inputs per case, pages assigned at random (non-contiguous, with gaps), outputs and
+the split workspace poisoned with NaN, and NaN planted wherever a kernel must not look: the cache
+slots past each sequence's context in its last page, and a poison page that every unused
+page-table entry points at. A kernel that reads past a context or past the valid page-table
+entries turns the result NaN instead of crashing the context.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tests.kernel_refs import ref_paged_decode_attention, ref_prefill_attention
+from tests.tolerances import TOL
+
+BF16 = ml_dtypes.bfloat16
+PAGE = 16
+RTOL = TOL["attention"]["rtol_norm"]
+
+# (nq, nkv, head_dim): GQA 1..4, head_dim 64 and 128, the supported models' shapes among them
+SHAPES = [(4, 4, 128), (16, 8, 128), (9, 3, 64), (32, 8, 128), (8, 2, 64)]
+
+
+def _shape_id(s: tuple[int, int, int]) -> str:
+    return f"{s[0]}q{s[1]}kv_hd{s[2]}"
+
+
+class PagedKV:
+    """Random K/V caches for a batch of contexts, pages scattered through a larger pool."""
+
+    def __init__(self, rng: np.random.Generator, ctx_lens: list[int], nkv: int, hd: int,
+                 padding_rows: tuple[int, ...] = ()):
+        n_pages = [-(-c // PAGE) for c in ctx_lens]
+        need = sum(n for b, n in enumerate(n_pages) if b not in padding_rows)
+        self.num_pages = need + need // 2 + 2  # page 0: padding page; last: poison page
+        self.poison = self.num_pages - 1
+        free = rng.permutation(np.arange(1, self.poison))
+        self.stride = max(n_pages) + 3
+        self.table = np.full((len(ctx_lens), self.stride), self.poison, np.int32)
+        used = 0
+        for b, n in enumerate(n_pages):
+            if b in padding_rows:  # the engine's padding rows: context 1 on page 0
+                assert ctx_lens[b] == 1
+                self.table[b, 0] = 0
+            else:
+                self.table[b, :n] = free[used:used + n]
+                used += n
+        shape = (self.num_pages, nkv, PAGE, hd)
+        self.k = rng.standard_normal(shape, np.float32).astype(BF16)
+        self.v = rng.standard_normal(shape, np.float32).astype(BF16)
+        for cache in (self.k, self.v):
+            cache[self.poison] = np.nan
+            for b, c in enumerate(ctx_lens):
+                if c % PAGE:
+                    cache[self.table[b, (c - 1) // PAGE], :, c % PAGE:] = np.nan
+        self.ctx = np.asarray(ctx_lens, np.int32)
+
+
+def _check(got: np.ndarray, want: np.ndarray, hd: int, what: str) -> None:
+    got = got.astype(np.float32)
+    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} non-finite"
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    g = got.reshape(-1, hd)
+    w = want.reshape(-1, hd)
+    per_head = np.linalg.norm(g - w, axis=1) / np.maximum(np.linalg.norm(w, axis=1), 1e-6)
+    worst = int(np.argmax(per_head))
+    assert rel <= RTOL and per_head[worst] <= RTOL, (
+        f"{what}: rel err {rel:.2e}, worst (row, head) vector #{worst} {per_head[worst]:.2e}")
+
+
+# ---- decode --------------------------------------------------------------------------------
+
+# (name, context lengths, num_splits, padding rows)
+DECODE_CASES = [
+    ("ctx1", [1], 1, ()),
+    ("one_page", [16], 1, ()),
+    ("ctx17", [17], 1, ()),
+    ("b3_edges", [1, 16, 17], 1, ()),
+    ("b3_padding_row", [33, 1, 250], 1, (1,)),
+    ("b3_nonmult", [5, 47, 100], 1, ()),
+    ("split7_mid_page", [4001], 7, ()),
+    ("split5_empty_splits", [4133, 17, 1], 5, ()),
+    ("split16_b3", [40, 3000, 16], 16, ()),
+    ("long_split32", [9001], 32, ()),
+    ("b64", None, 1, ()),
+    ("b64_split3", None, 3, ()),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c[0])
+def test_decode_attention_matches_reference(cuda_ctx, stream, shape, case):
+    from cutlass_kernels.decode_attention import compile_decode_attention, decode_workspace_bytes
+    from engine.cuda.driver import device_array, to_device
+
+    nq, nkv, hd = shape
+    name, ctx_lens, num_splits, padding = case
+    rng = np.random.default_rng()
+    if ctx_lens is None:
+        ctx_lens = [int(c) for c in rng.integers(1, 1200, 64)]
+    batch = len(ctx_lens)
+    kv = PagedKV(rng, ctx_lens, nkv, hd, padding)
+    q = (2.0 * rng.standard_normal((batch, nq * hd))).astype(BF16)
+    scale = hd ** -0.5
+    want = ref_paged_decode_attention(q.astype(np.float32), kv.k.astype(np.float32),
+                                      kv.v.astype(np.float32), kv.table, kv.ctx, scale)
+
+    launcher = compile_decode_attention(nq, nkv, hd)
+    bufs = [to_device(a) for a in (q, kv.k, kv.v, kv.table, kv.ctx)]
+    out = device_array((batch, nq * hd), BF16)
+    out.fill_bytes(0xFF, stream)
+    ws = None
+    if num_splits > 1:
+        ws = device_array(decode_workspace_bytes(batch, nq, hd, num_splits) // 4, np.float32)
+        ws.fill_bytes(0xFF, stream)
+    launcher(*bufs, out, ws, batch, kv.stride, num_splits, scale, stream.handle)
+    stream.synchronize()
+    _check(out.download(), want, hd, f"decode {name} splits={num_splits}")
+
+
+# ---- prefill -------------------------------------------------------------------------------
+
+# (name, new tokens per sequence, cached tokens before them per sequence)
+PREFILL_CASES = [
+    ("single_1", [1], [0]),
+    ("single_100", [100], [0]),
+    ("single_64", [64], [0]),
+    ("mixed", [1, 5, 16, 17, 100, 600], [0, 0, 0, 0, 0, 0]),
+    ("chunked", [64, 37, 130], [200, 500, 77]),
+    ("prefix_cached", [50, 30, 1], [128, 35, 1000]),
+    ("long_chunk", [700], [1500]),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: c[0])
+def test_prefill_attention_matches_reference(cuda_ctx, stream, shape, case):
+    from cutlass_kernels.prefill_attention import compile_prefill_attention
+    from engine.cuda.driver import device_array, to_device
+
+    nq, nkv, hd = shape
+    name, q_lens, cached = case
+    rng = np.random.default_rng()
+    ctx_lens = [n + c for n, c in zip(q_lens, cached, strict=True)]
+    kv = PagedKV(rng, ctx_lens, nkv, hd)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    total = int(cu[-1])
+    q = (2.0 * rng.standard_normal((total, nq * hd))).astype(BF16)
+    scale = hd ** -0.5
+    want = ref_prefill_attention(q.astype(np.float32), kv.k.astype(np.float32),
+                                 kv.v.astype(np.float32), cu, kv.ctx, kv.table, scale)
+
+    launcher = compile_prefill_attention(nq, nkv, hd)
+    out = device_array((total, nq * hd), BF16)
+    out.fill_bytes(0xFF, stream)
+    launcher(to_device(q), to_device(kv.k), to_device(kv.v), to_device(cu), to_device(kv.ctx),
+             to_device(kv.table), out, total, len(q_lens), kv.stride, max(q_lens), scale,
+             stream.handle)
+    stream.synchronize()
+    _check(out.download(), want, hd, f"prefill {name}")
+
+
+# ---- timing (printed, not asserted) ---------------------------------------------------------
+
+
+def _time_ms(stream, fn, *args, reps: int = 20) -> float:
+    from engine.cuda.driver import Event
+
+    fn(*args)
+    start, end = Event(), Event()
+    start.record(stream)
+    for _ in range(reps):
+        fn(*args)
+    end.record(stream)
+    end.synchronize()
+    return start.elapsed_ms(end) / reps
+
+
+def test_attention_timing(cuda_ctx, stream, capsys):
+    from cutlass_kernels.decode_attention import (
+        choose_num_splits,
+        compile_decode_attention,
+        decode_workspace_bytes,
+    )
+    from cutlass_kernels.prefill_attention import compile_prefill_attention
+    from engine.cuda.driver import device_array, to_device
+
+    nq, nkv, hd = 32, 8, 128  # Qwen3-8B attention
+    scale = hd ** -0.5
+    rng = np.random.default_rng(0)
+    lines = []
+    dec = compile_decode_attention(nq, nkv, hd)
+    for batch in (1, 8, 64):
+        ctx = 1024
+        kv = PagedKV(rng, [ctx] * batch, nkv, hd)
+        splits = choose_num_splits(batch, nkv, ctx, cuda_ctx.num_sms)
+        q = to_device(rng.standard_normal((batch, nq * hd)).astype(BF16))
+        args = [q, to_device(kv.k), to_device(kv.v), to_device(kv.table), to_device(kv.ctx)]
+        out = device_array((batch, nq * hd), BF16)
+        ws = device_array(max(1, decode_workspace_bytes(batch, nq, hd, splits) // 4),
+                          np.float32)
+        ms = _time_ms(stream, dec, *args, out, ws, batch, kv.stride, splits, scale,
+                      stream.handle)
+        kv_bytes = 2 * batch * ctx * nkv * hd * 2
+        lines.append(f"decode B={batch:3d} ctx={ctx} splits={splits:2d}: {ms * 1e3:8.1f} us "
+                     f"(KV {kv_bytes / ms / 1e6:7.1f} GB/s, incl. host launch)")
+    total = 2048
+    kv = PagedKV(rng, [total], nkv, hd)
+    pre = compile_prefill_attention(nq, nkv, hd)
+    cu = to_device(np.array([0, total], np.int32))
+    q = to_device(rng.standard_normal((total, nq * hd)).astype(BF16))
+    out = device_array((total, nq * hd), BF16)
+    args = [q, to_device(kv.k), to_device(kv.v), cu, to_device(kv.ctx), to_device(kv.table)]
+    ms = _time_ms(stream, pre, *args, out, total, 1, kv.stride, total, scale, stream.handle)
+    flops = 4 * nq * hd * total * (total + 1) / 2  # causal QK^T + PV
+    lines.append(f"prefill T={total} causal: {ms:.3f} ms ({flops / ms / 1e9:.1f} TFLOP/s)")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
