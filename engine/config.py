@@ -213,6 +213,9 @@ class EngineConfig:
     cpu_kv_pages: int = 512
     cuda_graph_max_bs: int | None = None  # largest captured bucket (default: max_num_seqs)
     lazy_graph_capture: bool = False
+    # Prompt-logprob requests skip the prefix cache (as in vLLM) unless this is set; then cached
+    # positions report None (their logits were never computed). Used by the golden gate.
+    prompt_logprobs_prefix_cache: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

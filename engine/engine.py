@@ -190,7 +190,7 @@ class LLMEngine:
         sched.commit(plan)
         self.stats.steps += 1
         self.stats.tokens += plan.num_tokens
-        if getattr(out, "graph", False):
+        if out.graph:
             self.stats.graph_steps += 1
         else:
             self.stats.eager_steps += 1

@@ -122,8 +122,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids
-            use_cache = not (req.wants_prompt_logprobs
-                             and len(req.prompt_logprobs) < req.num_prompt_tokens)
+            use_cache = cfg.prompt_logprobs_prefix_cache or not (
+                req.wants_prompt_logprobs and len(req.prompt_logprobs) < req.num_prompt_tokens)
             salt = req.salt if use_cache else f"\0nocache:{req.request_id}"
             cached = self.bm.num_cached_prefix_tokens(tokens, salt) if use_cache else 0
             remaining = len(tokens) - cached
@@ -139,6 +139,9 @@ class Scheduler:
             slots = self.bm.append_slots(req.request_id, n, tokens[cached:cached + n])
             req.num_computed_tokens = cached
             req.num_cached_tokens = cached
+            if req.wants_prompt_logprobs and len(req.prompt_logprobs) < cached + 1:
+                # logits of cached positions were never computed: their entries stay None
+                req.prompt_logprobs += [None] * (cached + 1 - len(req.prompt_logprobs))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             seqs.append(ScheduledSeq(req, cached, n, slots, sample=cached + n == len(tokens),

@@ -282,3 +282,18 @@ def test_readme_first_command_answers_paris():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_prompt_logprobs_over_cached_prefix(tiny_dir):
+    """With prompt_logprobs_prefix_cache, cached positions report None and the rest match."""
+    p = _prompts()[0]
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=0, **GREEDY)
+    plain = LLM(str(tiny_dir), backend="numpy").generate(p, sp)[0].prompt_logprobs
+    llm = LLM(str(tiny_dir), backend="numpy", prompt_logprobs_prefix_cache=True)
+    llm.generate(p, sp)
+    again = llm.generate(p, sp)[0]
+    assert again.num_cached_tokens == 32
+    pl = again.prompt_logprobs
+    assert len(pl) == len(p) and all(x is None for x in pl[:33])
+    for i in range(33, len(p)):
+        assert abs(pl[i][p[i]].logprob - plain[i][p[i]].logprob) < 1e-4

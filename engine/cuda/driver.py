@@ -176,6 +176,28 @@ class DeviceBuffer:
                   "cuMemcpyDtoHAsync")
         return out
 
+    def upload_rows(self, host: np.ndarray, row_pitch_bytes: int, stream: Stream) -> None:
+        """Copy a 2-D host array into the first columns of a wider row-major device array
+        (one pitched copy: only the bytes that matter cross PCIe)."""
+        host = np.ascontiguousarray(host)
+        rows, width = host.shape[0], host.shape[1] * host.itemsize
+        if rows == 0 or width == 0:
+            return
+        if width > row_pitch_bytes or rows * row_pitch_bytes > self.nbytes:
+            raise CudaError(f"upload_rows of {rows}x{width} B into pitch {row_pitch_bytes} B, "
+                            f"{self.nbytes} B buffer")
+        cu = _cu()
+        p = cu.CUDA_MEMCPY2D()
+        p.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
+        p.srcHost = host.ctypes.data
+        p.srcPitch = width
+        p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.dstDevice = self.ptr
+        p.dstPitch = row_pitch_bytes
+        p.WidthInBytes = width
+        p.Height = rows
+        check(cu.cuMemcpy2DAsync(p, stream.handle), "cuMemcpy2DAsync")
+
     def fill_bytes(self, value: int, stream: Stream | None = None) -> None:
         cu = _cu()
         if stream is None:

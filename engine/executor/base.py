@@ -84,6 +84,7 @@ class StepOutput:
     sampled: np.ndarray  # int32 [S]
     logprobs: Logprobs | None = None  # for the S sample rows, when any asked
     prompt_logprobs: Logprobs | None = None  # for the P prompt rows
+    graph: bool = False  # the forward replayed a captured CUDA graph
 
 
 class ExecutorError(RuntimeError):

@@ -1,0 +1,259 @@
+"""The CUDA executor: CuTe DSL kernels over a device arena, driven through cuda-python.
+
+Per step: upload the plan's arrays into static device buffers, run the forward (kernel by kernel,
+eagerly; decode steps can replay a captured CUDA graph instead, see ``graphs/``), compute logits
+for the sampled (and prompt-logprob) rows, sample on the GPU, download token ids.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.cuda.driver import Arena, Context, Stream
+from engine.executor.base import Executor, ExecutorError, Logprobs, StepBatch, StepOutput
+from engine.executor.cuda_model import (
+    BF16,
+    DeviceWeights,
+    Sizes,
+    StepBuffers,
+    kv_bytes_per_page,
+    plan_num_pages,
+)
+from engine.model.loader import Checkpoint
+
+
+class CudaExecutor(Executor):
+    def __init__(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool = True) -> None:
+        self.ctx = Context.get()
+        self.stream = Stream()
+        mc = self.mc = ckpt.config
+        self.config = config
+        self.page_size = config.block_size
+        self.sizes = s = Sizes.of(mc, config)
+        self.scale = mc.head_dim ** -0.5
+        t0 = time.perf_counter()
+        self.kernels = self._compile(mc, s)
+        self.compile_s = time.perf_counter() - t0
+        free, total = self.ctx.mem_info()
+        ws = self._workspace_bytes()
+        self.num_pages, arena_bytes = plan_num_pages(mc, config, free, total, ws)
+        self.arena = Arena(arena_bytes)
+        self.weights = DeviceWeights(ckpt, self.arena, self.stream, show=verbose)
+        self.buf = StepBuffers(mc, s, self.arena, ws, self.stream)
+        kv_shape = (self.num_pages, mc.num_key_value_heads, self.page_size, mc.head_dim)
+        self.k_cache = [self.arena.alloc(kv_shape, BF16, f"k{i}")
+                        for i in range(mc.num_hidden_layers)]
+        self.v_cache = [self.arena.alloc(kv_shape, BF16, f"v{i}")
+                        for i in range(mc.num_hidden_layers)]
+        self.kv_bytes = self.num_pages * kv_bytes_per_page(mc, self.page_size)
+        self.graphs = None  # graphs.GraphRunner, attached by the engine when graphs are on
+        if verbose:
+            print(f"[cuteinfer] cuda: {self.ctx.name}, kernels compiled in {self.compile_s:.1f}s,"
+                  f" arena {arena_bytes / 2**30:.2f} GiB, KV {self.num_pages} pages "
+                  f"({self.kv_bytes / 2**30:.2f} GiB)", file=sys.stderr)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    @staticmethod
+    def _compile(mc, s: Sizes) -> dict:
+        from cutlass_kernels.decode_attention import compile_decode_attention
+        from cutlass_kernels.embedding import compile_embedding
+        from cutlass_kernels.gemm import compile_gemm
+        from cutlass_kernels.prefill_attention import compile_prefill_attention
+        from cutlass_kernels.rmsnorm import compile_rmsnorm
+        from cutlass_kernels.rope_kv import compile_rope_kv
+        from cutlass_kernels.silu_mul import compile_silu_mul
+
+        h, nq, nkv, hd = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, \
+            mc.head_dim
+        k = {
+            "embed": compile_embedding(h),
+            "norm": compile_rmsnorm(h, False),
+            "add_norm": compile_rmsnorm(h, True),
+            "rope": compile_rope_kv(nq, nkv, hd, 16, mc.qk_norm),
+            "qkv": compile_gemm(mc.qkv_size, h),
+            "o": compile_gemm(h, mc.q_size),
+            "gate_up": compile_gemm(2 * mc.intermediate_size, h),
+            "down": compile_gemm(h, mc.intermediate_size),
+            "lm_head": compile_gemm(mc.vocab_size, h, "f32"),
+            "silu": compile_silu_mul(mc.intermediate_size),
+            "decode": compile_decode_attention(nq, nkv, hd, 16),
+            "prefill": compile_prefill_attention(nq, nkv, hd, 16),
+        }
+        try:
+            from cutlass_kernels.sampling import compile_logprobs, compile_sampler
+
+            k["sample"] = compile_sampler(mc.vocab_size)
+            k["logprobs"] = compile_logprobs(mc.vocab_size)
+        except ImportError:  # pragma: no cover - until the GPU sampler lands
+            pass
+        return k
+
+    def _num_splits(self, batch: int, max_context: int) -> int:
+        from cutlass_kernels.decode_attention import choose_num_splits
+
+        return choose_num_splits(batch, self.mc.num_key_value_heads, max_context,
+                                 self.ctx.num_sms, self.page_size)
+
+    def _workspace_bytes(self) -> int:
+        from cutlass_kernels.decode_attention import decode_workspace_bytes
+
+        mc, s = self.mc, self.sizes
+        return max(decode_workspace_bytes(b, mc.num_attention_heads, mc.head_dim,
+                                          self._num_splits(b, s.max_pos))
+                   for b in range(1, s.b_max + 1))
+
+    # -- per step --------------------------------------------------------------------------------
+    def _check(self, b: StepBatch) -> None:
+        s = self.sizes
+        t, n = b.num_tokens, b.num_seqs
+        if t > s.t_max or n > s.b_max:
+            raise ExecutorError(f"step of {t} tokens / {n} sequences exceeds the buffers "
+                                f"({s.t_max} tokens / {s.b_max} sequences)")
+        width = -(-b.context_lens // self.page_size)
+        over = np.nonzero(width > s.pages_per_seq)[0]
+        if over.size:
+            e = ExecutorError(f"context of {int(b.context_lens[over[0]])} tokens needs "
+                              f"{int(width[over[0]])} pages; the page-index buffer holds "
+                              f"{s.pages_per_seq} per sequence (max_model_len)")
+            e.rows = set(over.tolist())
+            raise e
+        if b.num_tokens and (b.slot_mapping.max() >= self.num_pages * self.page_size
+                             or b.page_indices.max() >= self.num_pages):
+            raise ExecutorError("slot_mapping / page_indices outside the KV cache")
+
+    def upload(self, b: StepBatch) -> None:
+        buf, st = self.buf, self.stream
+        buf.input_ids.upload(b.input_ids, st)
+        buf.positions.upload(b.positions, st)
+        buf.slot_mapping.upload(b.slot_mapping, st)
+        buf.cu_seqlens.upload(b.cu_seqlens_q, st)
+        buf.context_lens.upload(b.context_lens, st)
+        buf.page_indices.upload_rows(b.page_indices.astype(np.int32, copy=False),
+                                     self.sizes.pages_per_seq * 4, st)
+
+    def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
+                num_splits: int) -> None:
+        """All layers and the final norm over the static buffers (eager, or under capture)."""
+        k, buf, w, st, mc = self.kernels, self.buf, self.weights, self.stream, self.mc
+        t, eps = num_tokens, mc.rms_norm_eps
+        pps = self.sizes.pages_per_seq
+        k["embed"](buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
+        for li, lw in enumerate(w.layers):
+            if li == 0:
+                k["norm"](buf.resid, None, lw["in_norm"], buf.h, t, eps, st)
+            else:
+                k["add_norm"](buf.delta, buf.resid, lw["in_norm"], buf.h, t, eps, st)
+            k["qkv"](buf.h, lw["qkv"], buf.qkv, t, st)
+            k["rope"](buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"),
+                      lw.get("k_norm"), buf.cos_sin, buf.q, self.k_cache[li], self.v_cache[li],
+                      t, self.sizes.max_pos, eps, st)
+            if decode:
+                k["decode"](buf.q, self.k_cache[li], self.v_cache[li], buf.page_indices,
+                            buf.context_lens, buf.attn, buf.workspace, num_seqs, pps,
+                            num_splits, self.scale, st.handle)
+            else:
+                k["prefill"](buf.q, self.k_cache[li], self.v_cache[li], buf.cu_seqlens,
+                             buf.context_lens, buf.page_indices, buf.attn, t, num_seqs, pps,
+                             max_q_len, self.scale, st.handle)
+            k["o"](buf.attn, lw["o"], buf.delta, t, st)
+            k["add_norm"](buf.delta, buf.resid, lw["post_norm"], buf.h, t, eps, st)
+            k["gate_up"](buf.h, lw["gate_up"], buf.gate_up, t, st)
+            k["silu"](buf.gate_up, buf.act, t, st)
+            k["down"](buf.act, lw["down"], buf.delta, t, st)
+        k["add_norm"](buf.delta, buf.resid, w.norm, buf.h, t, eps, st)
+
+    def logits(self, num_tokens: int, row_offset: int, n: int) -> None:
+        """Logits of rows ``logit_idx[row_offset:row_offset+n]`` into ``logits[:n]``."""
+        k, buf, st = self.kernels, self.buf, self.stream
+        idx = buf.logit_idx.ptr + 4 * row_offset
+        k["embed"](idx, buf.h, buf.rows, num_tokens, n, st)
+        k["lm_head"](buf.rows, self.weights.lm_head, buf.logits, n, st)
+
+    def execute(self, b: StepBatch) -> StepOutput:
+        self._check(b)
+        st, buf = self.stream, self.buf
+        s_rows = b.sample_token_idx.shape[0]
+        p_rows = b.prompt_logprob_idx.shape[0]
+        graph = False
+        if b.num_tokens:
+            self.upload(b)
+            if b.is_decode and self.graphs is not None and self.graphs.can_run(b):
+                self.graphs.replay(b)
+                graph = True
+            else:
+                decode = b.is_decode
+                ctx_max = int(b.context_lens.max())
+                splits = self._num_splits(b.num_seqs, ctx_max) if decode else 1
+                self.forward(b.num_tokens, b.num_seqs, decode, int(b.query_lens.max()), splits)
+        # sampled rows
+        tokens = np.zeros(0, np.int32)
+        lp = None
+        if s_rows:
+            buf.logit_idx.upload(b.sample_token_idx, st)
+            self.logits(b.num_tokens, 0, s_rows)
+            tokens = self._sample(b, s_rows)
+            if (b.num_logprobs >= 0).any():
+                lp = self._logprobs(s_rows, tokens, int(b.num_logprobs.max()))
+        plp = None
+        if p_rows:
+            plp = self._prompt_logprobs(b)
+        return StepOutput(sampled=tokens, logprobs=lp, prompt_logprobs=plp, graph=graph)
+
+    # -- sampling and logprobs -------------------------------------------------------------------
+    def _sample(self, b: StepBatch, n: int) -> np.ndarray:
+        st, buf = self.stream, self.buf
+        if "sample" not in self.kernels:  # host fallback (kept for bring-up)
+            from engine.sampling import sample
+
+            lg = buf.logits.download(np.empty((n, self.mc.vocab_size), np.float32), st)
+            st.synchronize()
+            return sample(lg, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.sample_steps)
+        buf.temperature.upload(b.temperature, st)
+        buf.top_k.upload(b.top_k, st)
+        buf.top_p.upload(b.top_p, st)
+        buf.min_p.upload(b.min_p, st)
+        buf.seeds.upload(b.seeds, st)
+        buf.steps.upload(b.sample_steps, st)
+        self.kernels["sample"](buf.logits, buf.temperature, buf.top_k, buf.top_p, buf.min_p,
+                               buf.seeds, buf.steps, buf.sampled, n, st)
+        out = buf.sampled.download(np.empty(n, np.int32), st)
+        st.synchronize()
+        return out
+
+    def _logprobs(self, n: int, targets: np.ndarray, top_n: int) -> Logprobs:
+        st, buf = self.stream, self.buf
+        if "logprobs" not in self.kernels:
+            from engine.sampling import compute_logprobs
+
+            lg = buf.logits.download(np.empty((n, self.mc.vocab_size), np.float32), st)
+            st.synchronize()
+            return compute_logprobs(lg, targets, top_n)
+        buf.targets.upload(targets.astype(np.int32), st)
+        self.kernels["logprobs"](buf.logits, buf.targets, buf.lp_token, buf.lp_rank,
+                                 buf.lp_top_ids, buf.lp_top, n, top_n, st)
+        tok = buf.lp_token.download(np.empty(n, np.float32), st)
+        rank = buf.lp_rank.download(np.empty(n, np.int32), st)
+        ids = buf.lp_top_ids.download(np.empty((n, 20), np.int32), st)
+        top = buf.lp_top.download(np.empty((n, 20), np.float32), st)
+        st.synchronize()
+        return Logprobs(tok, rank, ids[:, :top_n].copy(), top[:, :top_n].copy())
+
+    def _prompt_logprobs(self, b: StepBatch) -> Logprobs:
+        """Prompt rows in chunks of ``logit_rows`` (the logits buffer's height)."""
+        rows, tgt, n = b.prompt_logprob_idx, b.prompt_logprob_targets, b.prompt_num_logprobs
+        chunk = self.sizes.logit_rows
+        parts = []
+        for lo in range(0, rows.shape[0], chunk):
+            r = rows[lo:lo + chunk]
+            self.buf.logit_idx.upload(r, self.stream)
+            self.logits(b.num_tokens, 0, r.shape[0])
+            parts.append(self._logprobs(r.shape[0], tgt[lo:lo + chunk], n))
+        return Logprobs(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                          ("token_logprob", "token_rank", "top_ids", "top_logprobs")))
+
+    def shutdown(self) -> None:
+        self.stream.synchronize()

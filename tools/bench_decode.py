@@ -1,0 +1,134 @@
+"""Decode step time of the cuda backend next to the memory-bandwidth floor.
+
+    python -m tools.bench_decode --preset qwen3-0.6b --batch 1,8,64 --ctx 1024 [--out f.json]
+
+Random weights at the preset's real shape (made in memory, no files). For each batch size B, B
+sequences of context ``ctx`` decode one token: the eager step (every kernel launched from the
+host) and, when graphs are available, the replayed graph, timed with CUDA events (median over
+``--iters``). Floor = (weight bytes + KV bytes read per step) / 4.28 TB/s, the device-to-device
+copy rate measured on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+BW = 4.28e12
+
+
+def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int, seed: int = 0):
+    from engine.executor.base import StepBatch
+
+    rng = np.random.default_rng(seed)
+    ppseq = -(-ctx // page_size)
+    pages = rng.permutation(np.arange(1, num_pages))[: b * ppseq].reshape(b, ppseq)
+    pos = np.full(b, ctx - 1, np.int32)
+    slots = pages[:, (ctx - 1) // page_size] * page_size + (ctx - 1) % page_size
+    z = np.zeros(b, np.float32)
+    return StepBatch(
+        input_ids=rng.integers(0, vocab, b).astype(np.int32), positions=pos,
+        slot_mapping=slots.astype(np.int64), cu_seqlens_q=np.arange(b + 1, dtype=np.int32),
+        context_lens=np.full(b, ctx, np.int32), page_indices=pages.astype(np.int32),
+        sample_token_idx=np.arange(b, dtype=np.int32), temperature=z,
+        top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32), min_p=z,
+        seeds=np.arange(b, dtype=np.uint64), sample_steps=np.zeros(b, np.uint32),
+        num_logprobs=np.full(b, -1, np.int32))
+
+
+def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -> list[dict]:
+    from engine.config import EngineConfig, ModelConfig
+    from engine.cuda.driver import Event
+    from engine.executor.cuda_executor import CudaExecutor
+    from engine.model.loader import Checkpoint
+    from tools.make_checkpoint import hf_config, make_weights
+
+    mc = ModelConfig.from_dict(hf_config(preset))
+    t0 = time.perf_counter()
+    ckpt = Checkpoint(Path(preset), mc, make_weights(mc, seed=0, threads=16))
+    print(f"{preset}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    bmax = max(batches)
+    pages = bmax * -(-ctx // 16) + 8
+    ec = EngineConfig(model=preset, backend="cuda", max_model_len=max(ctx + 16, 2048),
+                      max_num_seqs=bmax, max_num_batched_tokens=max(bmax, 256),
+                      num_gpu_blocks_override=pages).resolve(mc)
+    ex = CudaExecutor(ckpt, ec)
+    del ckpt
+    wbytes = 2 * mc.num_parameters
+    runner = None
+    if graphs:
+        try:
+            from graphs.runner import GraphRunner
+
+            runner = GraphRunner(ex, buckets=sorted(set(batches)))
+            runner.capture_all()
+        except ImportError:
+            runner = None
+    rows = []
+    e0, e1 = Event(), Event()
+    for b in batches:
+        batch = make_batch(b, ctx, 16, ex.num_pages, mc.vocab_size)
+        ex.upload(batch)
+        splits = ex._num_splits(b, ctx)
+
+        def eager(b=b, splits=splits):
+            ex.forward(b, b, True, 1, splits)
+
+        def timed(fn) -> tuple[float, float]:
+            for _ in range(3):
+                fn()
+            ts = []
+            for _ in range(iters):
+                e0.record(ex.stream)
+                fn()
+                e1.record(ex.stream)
+                e1.synchronize()
+                ts.append(e0.elapsed_ms(e1))
+            return float(np.median(ts)), float(np.percentile(ts, 99))
+
+        eager_ms, eager_p99 = timed(eager)
+        # the whole step as the engine runs it: upload, forward, logits, sampling, download
+        t_full = []
+        for _ in range(max(5, iters // 4)):
+            t1 = time.perf_counter()
+            ex.execute(batch)
+            t_full.append((time.perf_counter() - t1) * 1e3)
+        kv = b * ctx * mc.num_hidden_layers * 2 * mc.kv_size * 2
+        floor = (wbytes + kv) / BW * 1e3
+        r = dict(model=preset, engine="cuteinfer", bs=b, ctx=ctx, eager_ms=round(eager_ms, 4),
+                 eager_p99_ms=round(eager_p99, 4), step_full_ms=round(float(np.median(t_full)), 4),
+                 floor_ms=round(floor, 4), eager_floor_ratio=round(floor / eager_ms, 3),
+                 num_splits=splits)
+        if runner is not None:
+            g_ms, g_p99 = timed(lambda b=b: runner.replay_bucket(b))
+            r.update(graph_ms=round(g_ms, 4), graph_p99_ms=round(g_p99, 4),
+                     graph_floor_ratio=round(floor / g_ms, 3))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-0.6b")
+    ap.add_argument("--batch", default="1,8,64")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    rows = bench(a.preset, [int(x) for x in a.batch.split(",")], a.ctx, a.iters,
+                 not a.no_graphs)
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
