@@ -56,15 +56,17 @@ def decode_workspace_bytes(batch: int, num_q_heads: int, head_dim: int, num_spli
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
                       page_size: int = 16) -> int:
-    """Splits per sequence so that the grid fills the GPU without tiny splits.
+    """Splits per sequence for a decode bucket: enough CTAs to fill the GPU in several waves.
 
-    About two resident CTAs per SM keep enough cp.async bytes in flight to stream KV at full
-    bandwidth (each CTA has up to num_stages - 1 pages of K and V in flight); a split should still
-    cover at least MIN_PAGES_PER_SPLIT pages, or the combine costs more than it saves.
+    A CTA keeps up to num_stages - 1 pages of K and V in flight and about three fit on an SM
+    (hd 128: ~160 registers x 128 threads), so ~8 CTAs per SM over the launch leaves a short last
+    wave; B * nkv = 512 alone would run as 1.3 waves. A split still covers at least
+    MIN_PAGES_PER_SPLIT pages of max_context, or the combine costs more than it saves; sequences
+    shorter than max_context spread their pages over the same splits (some stay empty, cheap).
     """
     ctas = max(1, batch * num_kv_heads)
     pages = max(1, -(-max_context // page_size))
-    want = -(-2 * num_sms // ctas)
+    want = -(-8 * num_sms // ctas)
     return max(1, min(want, pages // MIN_PAGES_PER_SPLIT, MAX_SPLITS))
 
 

@@ -51,8 +51,10 @@ def test_decode_helpers():
             s = choose_num_splits(batch, 8, ctx)
             assert 1 <= s <= MAX_SPLITS
             assert s == 1 or -(-ctx // 16) >= 8 * s  # no split shorter than 8 pages
-    assert choose_num_splits(64, 8, 1024) == 1  # 512 CTAs fill the GPU
-    assert choose_num_splits(1, 8, 40960) > 8
+    assert choose_num_splits(256, 8, 4096) == 1  # 2048 CTAs fill the GPU
+    assert choose_num_splits(64, 8, 1024) == 3  # not 512 CTAs = 1.3 waves
+    assert choose_num_splits(1, 8, 40960) == MAX_SPLITS
+    assert choose_num_splits(1, 8, 100) == 1
 
 
 def test_launchers_reject_bad_arguments():
