@@ -56,7 +56,7 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
     pages = bmax * -(-ctx // 16) + 8
     ec = EngineConfig(model=preset, backend="cuda", max_model_len=max(ctx + 16, 2048),
                       max_num_seqs=bmax, max_num_batched_tokens=max(bmax, 256),
-                      num_gpu_blocks_override=pages).resolve(mc)
+                      num_gpu_blocks_override=pages, enforce_eager=True).resolve(mc)
     ex = CudaExecutor(ckpt, ec)
     del ckpt
     wbytes = 2 * mc.num_parameters
@@ -74,10 +74,11 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
     for b in batches:
         batch = make_batch(b, ctx, 16, ex.num_pages, mc.vocab_size)
         ex.upload(batch)
-        splits = ex._num_splits(b, ctx)
+        ex.upload_sampling(batch)
+        splits = ex.decode_splits(b)
 
         def eager(b=b, splits=splits):
-            ex.forward(b, b, True, 1, splits)
+            ex.decode_body(b, splits)  # forward + logits + sampling, as a graph captures it
 
         def timed(fn) -> tuple[float, float]:
             for _ in range(3):
@@ -92,7 +93,8 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
             return float(np.median(ts)), float(np.percentile(ts, 99))
 
         eager_ms, eager_p99 = timed(eager)
-        # the whole step as the engine runs it: upload, forward, logits, sampling, download
+        # the whole step as the engine runs it (eager): upload, forward, logits, sampling,
+        # download
         t_full = []
         for _ in range(max(5, iters // 4)):
             t1 = time.perf_counter()

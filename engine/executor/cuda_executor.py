@@ -50,11 +50,18 @@ class CudaExecutor(Executor):
         self.v_cache = [self.arena.alloc(kv_shape, BF16, f"v{i}")
                         for i in range(mc.num_hidden_layers)]
         self.kv_bytes = self.num_pages * kv_bytes_per_page(mc, self.page_size)
-        self.graphs = None  # graphs.GraphRunner, attached by the engine when graphs are on
         if verbose:
             print(f"[cuteinfer] cuda: {self.ctx.name}, kernels compiled in {self.compile_s:.1f}s,"
                   f" arena {arena_bytes / 2**30:.2f} GiB, KV {self.num_pages} pages "
                   f"({self.kv_bytes / 2**30:.2f} GiB)", file=sys.stderr)
+        self.graphs = None  # graphs.GraphRunner: decode steps replay per-bucket graphs
+        self.graph_stats: dict[str, float] = {}
+        if not config.enforce_eager:
+            from graphs.runner import GraphRunner
+
+            self.graphs = GraphRunner(self)
+            if not self.graphs.lazy:
+                self.graph_stats = self.graphs.capture_all(show=verbose)
 
     # -- set-up ----------------------------------------------------------------------------------
     @staticmethod
@@ -125,15 +132,46 @@ class CudaExecutor(Executor):
                              or b.page_indices.max() >= self.num_pages):
             raise ExecutorError("slot_mapping / page_indices outside the KV cache")
 
-    def upload(self, b: StepBatch) -> None:
+    def upload(self, b: StepBatch, pad_to: int | None = None) -> None:
+        """Copy the step's arrays into the static buffers. ``pad_to`` (decode graphs): rows
+        B..pad_to-1 become padding rows (token 0, position 0, no KV write, context 1, page 0)."""
         buf, st = self.buf, self.stream
-        buf.input_ids.upload(b.input_ids, st)
-        buf.positions.upload(b.positions, st)
-        buf.slot_mapping.upload(b.slot_mapping, st)
-        buf.cu_seqlens.upload(b.cu_seqlens_q, st)
-        buf.context_lens.upload(b.context_lens, st)
-        buf.page_indices.upload_rows(b.page_indices.astype(np.int32, copy=False),
-                                     self.sizes.pages_per_seq * 4, st)
+        n = b.num_seqs
+        pad = 0 if pad_to is None else pad_to - n
+        ids, pos, slots, cu, ctx = (b.input_ids, b.positions, b.slot_mapping, b.cu_seqlens_q,
+                                    b.context_lens)
+        table = b.page_indices.astype(np.int32, copy=False)
+        if pad > 0:
+            ids = np.concatenate([ids, np.zeros(pad, np.int32)])
+            pos = np.concatenate([pos, np.zeros(pad, np.int32)])
+            slots = np.concatenate([slots, np.full(pad, -1, np.int64)])
+            cu = np.arange(n + pad + 1, dtype=np.int32)
+            ctx = np.concatenate([ctx, np.ones(pad, np.int32)])
+            table = np.concatenate([table, np.zeros((pad, table.shape[1]), np.int32)])
+        buf.input_ids.upload(ids, st)
+        buf.positions.upload(pos, st)
+        buf.slot_mapping.upload(slots, st)
+        buf.cu_seqlens.upload(cu, st)
+        buf.context_lens.upload(ctx, st)
+        buf.page_indices.upload_rows(table, self.sizes.pages_per_seq * 4, st)
+
+    def upload_sampling(self, b: StepBatch, pad_to: int | None = None) -> None:
+        """Per-row sampling parameters as device data (padding rows: greedy)."""
+        buf, st = self.buf, self.stream
+        n = b.sample_token_idx.shape[0]
+        pad = 0 if pad_to is None else pad_to - n
+
+        def p(a: np.ndarray, v: float | int) -> np.ndarray:
+            return a if pad <= 0 else np.concatenate([a, np.full(pad, v, a.dtype)])
+
+        buf.logit_idx.upload(p(b.sample_token_idx, 0) if pad <= 0 else
+                             np.arange(n + pad, dtype=np.int32), st)
+        buf.temperature.upload(p(b.temperature, 0.0), st)
+        buf.top_k.upload(p(b.top_k, 0), st)
+        buf.top_p.upload(p(b.top_p, 1.0), st)
+        buf.min_p.upload(p(b.min_p, 0.0), st)
+        buf.seeds.upload(p(b.seeds, 0), st)
+        buf.steps.upload(p(b.sample_steps, 0), st)
 
     def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
                 num_splits: int) -> None:
@@ -173,53 +211,69 @@ class CudaExecutor(Executor):
         k["embed"](idx, buf.h, buf.rows, num_tokens, n, st)
         k["lm_head"](buf.rows, self.weights.lm_head, buf.logits, n, st)
 
+    def decode_body(self, batch: int, num_splits: int) -> None:
+        """A decode step of ``batch`` rows over the static buffers: forward, logits of every
+        row, sampling. This is what a graph captures (per bucket); eager decode runs it too."""
+        self.forward(batch, batch, True, 1, num_splits)
+        self.logits(batch, 0, batch)
+        if "sample" in self.kernels:
+            b = self.buf
+            self.kernels["sample"](b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds,
+                                   b.steps, b.sampled, batch, self.stream)
+
+    def decode_splits(self, batch: int) -> int:
+        """Split-KV factor of a decode step: fixed per bucket (from max_model_len), so an eager
+        step and its bucket's graph run the same kernels with the same launch parameters."""
+        from graphs.buckets import bucket_for, bucket_sizes
+
+        bk = bucket_for(batch, bucket_sizes(self.sizes.b_max, self.config.cuda_graph_max_bs))
+        return self._num_splits(bk or batch, self.sizes.max_pos)
+
     def execute(self, b: StepBatch) -> StepOutput:
         self._check(b)
         st, buf = self.stream, self.buf
         s_rows = b.sample_token_idx.shape[0]
         p_rows = b.prompt_logprob_idx.shape[0]
         graph = False
-        if b.num_tokens:
-            self.upload(b)
-            if b.is_decode and self.graphs is not None and self.graphs.can_run(b):
-                self.graphs.replay(b)
+        tokens = np.zeros(0, np.int32)
+        if b.is_decode and s_rows == b.num_seqs:
+            bucket = self.graphs.bucket(b) if self.graphs is not None else None
+            self.upload(b, pad_to=bucket)
+            self.upload_sampling(b, pad_to=bucket)
+            if bucket is not None:
+                self.graphs.launch(bucket)
                 graph = True
             else:
-                decode = b.is_decode
-                ctx_max = int(b.context_lens.max())
-                splits = self._num_splits(b.num_seqs, ctx_max) if decode else 1
-                self.forward(b.num_tokens, b.num_seqs, decode, int(b.query_lens.max()), splits)
-        # sampled rows
-        tokens = np.zeros(0, np.int32)
+                self.decode_body(b.num_seqs, self.decode_splits(b.num_seqs))
+            tokens = self._sampled(b, s_rows)
+        else:
+            if b.num_tokens:
+                self.upload(b)
+                self.forward(b.num_tokens, b.num_seqs, False, int(b.query_lens.max()), 1)
+            if s_rows:
+                self.upload_sampling(b)
+                self.logits(b.num_tokens, 0, s_rows)
+                if "sample" in self.kernels:
+                    k = self.kernels["sample"]
+                    k(buf.logits, buf.temperature, buf.top_k, buf.top_p, buf.min_p, buf.seeds,
+                      buf.steps, buf.sampled, s_rows, st)
+                tokens = self._sampled(b, s_rows)
         lp = None
-        if s_rows:
-            buf.logit_idx.upload(b.sample_token_idx, st)
-            self.logits(b.num_tokens, 0, s_rows)
-            tokens = self._sample(b, s_rows)
-            if (b.num_logprobs >= 0).any():
-                lp = self._logprobs(s_rows, tokens, int(b.num_logprobs.max()))
-        plp = None
-        if p_rows:
-            plp = self._prompt_logprobs(b)
+        if s_rows and (b.num_logprobs >= 0).any():
+            lp = self._logprobs(s_rows, tokens, int(b.num_logprobs.max()))
+        plp = self._prompt_logprobs(b) if p_rows else None
         return StepOutput(sampled=tokens, logprobs=lp, prompt_logprobs=plp, graph=graph)
 
     # -- sampling and logprobs -------------------------------------------------------------------
-    def _sample(self, b: StepBatch, n: int) -> np.ndarray:
+    def _sampled(self, b: StepBatch, n: int) -> np.ndarray:
+        """Download the sampled ids (host fallback when the GPU sampler is unavailable)."""
         st, buf = self.stream, self.buf
-        if "sample" not in self.kernels:  # host fallback (kept for bring-up)
+        if "sample" not in self.kernels:
             from engine.sampling import sample
 
             lg = buf.logits.download(np.empty((n, self.mc.vocab_size), np.float32), st)
             st.synchronize()
             return sample(lg, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.sample_steps)
-        buf.temperature.upload(b.temperature, st)
-        buf.top_k.upload(b.top_k, st)
-        buf.top_p.upload(b.top_p, st)
-        buf.min_p.upload(b.min_p, st)
-        buf.seeds.upload(b.seeds, st)
-        buf.steps.upload(b.sample_steps, st)
-        self.kernels["sample"](buf.logits, buf.temperature, buf.top_k, buf.top_p, buf.min_p,
-                               buf.seeds, buf.steps, buf.sampled, n, st)
         out = buf.sampled.download(np.empty(n, np.int32), st)
         st.synchronize()
         return out
