@@ -91,8 +91,10 @@ class DecodeAttention:
         self.rows = NUM_THREADS // self.chunks  # row groups (tokens per pass)
         self.passes = page_size // self.rows
         assert self.passes * self.rows == page_size
-        # The merge buffer (rows x group x hd fp32) reuses the K/V stage ring.
-        assert self.rows * self.group * head_dim * 4 <= 2 * num_stages * page_size * head_dim * 2
+        # bf16 elements of the K/V stage ring, which the merge buffer (rows x group x hd fp32)
+        # reuses after the main loop (hd 64 with 8 heads per kv head needs more than the ring)
+        self.smem_elems = max(2 * num_stages * page_size * head_dim,
+                              2 * self.rows * self.group * head_dim)
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k_cache: cute.Pointer, v_cache: cute.Pointer,
@@ -123,8 +125,7 @@ class DecodeAttention:
         @cute.struct
         class SharedStorage:
             # K ring then V ring; reused as the fp32 merge buffer after the main loop
-            sKV: cute.struct.Align[
-                cute.struct.MemRange[cutlass.BFloat16, 2 * self.stages * self.ps * hd], 128]
+            sKV: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.smem_elems], 128]
             sML: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, self.rows * self.group * 2], 16]
 
@@ -167,7 +168,7 @@ class DecodeAttention:
         # ---- shared memory: K ring, V ring (reused as the fp32 merge buffer), (m, l) per group
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
         kv_elems = self.stages * ps * hd
-        sKV = storage.sKV.get_tensor(cute.make_layout(2 * kv_elems))
+        sKV = storage.sKV.get_tensor(cute.make_layout(self.smem_elems))
         sML = storage.sML.get_tensor(cute.make_layout((rows, G, 2), stride=(G * 2, 2, 1)))
         stage_layout = cute.make_layout((self.stages, ps, ch, 8),
                                         stride=(ps * hd, hd, 8, 1))

@@ -184,7 +184,7 @@ class PrefillAttention:
                          row_in_page)
             cute.arch.cp_async_commit_group()
 
-            n_rows = cute.size(acc_O.shape[0][0]) * cute.size(acc_O.shape[1])
+            n_rows = cute.size(acc_O.shape[0][1]) * cute.size(acc_O.shape[1])  # rows per thread
             row_max = cute.make_rmem_tensor(n_rows, f32)
             row_sum = cute.make_rmem_tensor(n_rows, f32)
             row_max.fill(-cutlass.Float32.inf)
