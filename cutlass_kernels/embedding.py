@@ -1,0 +1,119 @@
+"""Row gather: ``out[t, :] = table[ids[t], :]`` for t in [0, T).
+
+Used for the token embedding (``table`` = embedding matrix ``[V, H]``) and, with the same kernel,
+to gather the hidden rows that are sampled (``table`` = hidden states ``[T_all, H]``, ``ids`` =
+``sample_token_idx``).
+
+Constraints: the row width ``H`` is compile-time and a whole number of 16-byte vectors
+(H % 8 == 0 for bf16, H % 4 == 0 for f32); ``num_rows`` (rows of ``table``) and ``T`` are runtime.
+An id outside ``[0, num_rows)`` writes a row of zeros instead of reading out of bounds.
+Offsets are 32-bit: ``num_rows * H`` must stay below 2^31 elements (151936 x 8192 fits).
+
+Layout: row-major, contiguous (row stride = H), every row 16-byte aligned.
+Grid ``(T, 1, 1)``: one CTA per output row; block ``min(256, ceil32(H / VEC))`` threads, thread
+``i`` copies the 16-byte vectors ``i, i + block, ...`` of the row (128-bit loads and stores).
+"""
+
+import cutlass_kernels._common as common  # noqa: I001  (sets CUTE_DSL_ARCH before cutlass)
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cuda.bindings import driver as cuda
+from cutlass import Int32
+
+_DTYPES = {"bf16": (cutlass.BFloat16, 2), "f32": (cutlass.Float32, 4)}
+
+
+class Embedding:
+    """Gather ``T`` rows of width ``hidden`` (compile-time) from a ``[num_rows, hidden]`` table."""
+
+    def __init__(self, hidden: int, dtype: str = "bf16") -> None:
+        elem, size = _DTYPES[dtype]
+        self.dtype = elem
+        self.vec = 16 // size  # elements per 128-bit vector
+        if hidden % self.vec:
+            raise ValueError(f"hidden={hidden} must be a multiple of {self.vec} for {dtype}")
+        self.hidden = hidden
+        self.nvec = hidden // self.vec
+        self.threads = min(256, (self.nvec + 31) // 32 * 32)
+        self.iters = (self.nvec + self.threads - 1) // self.threads
+
+    @cute.jit
+    def __call__(self, ids: cute.Pointer, table: cute.Pointer, out: cute.Pointer,
+                 num_rows: Int32, num_tokens: Int32, stream: cuda.CUstream):
+        row = cute.make_layout((num_rows, self.nvec, self.vec), stride=(self.hidden, self.vec, 1))
+        mIds = cute.make_tensor(ids, cute.make_layout(num_tokens))
+        mTable = cute.make_tensor(table, row)
+        mOut = cute.make_tensor(out, cute.make_layout((num_tokens, self.nvec, self.vec),
+                                                      stride=(self.hidden, self.vec, 1)))
+        self.kernel(mIds, mTable, mOut, num_rows).launch(
+            grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mIds: cute.Tensor, mTable: cute.Tensor, mOut: cute.Tensor, num_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        t, _, _ = cute.arch.block_idx()
+        src = mIds[t]
+        valid = (src >= 0) & (src < num_rows)
+        src = src if valid else 0
+        for i in cutlass.range_constexpr(self.iters):
+            c = tidx + i * self.threads
+            if c < self.nvec:
+                v = mTable[src, c, None].load()
+                if valid:
+                    mOut[t, c, None].store(v)
+                else:
+                    mOut[t, c, None].store(cute.zeros_like(v))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _ptr(buf: Any, dtype: str, numel: int, name: str) -> cute.Pointer:
+    """Typed pointer for a device buffer (has .ptr) or an address; checks size when known."""
+    nbytes = getattr(buf, "nbytes", None)
+    need = numel * {"bf16": 2, "f32": 4, "i32": 4}[dtype]
+    if nbytes is not None and nbytes < need:
+        raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {need} B")
+    return common.gmem_ptr(dtype, common.addr(buf))
+
+
+def _stream(stream: Any) -> Any:
+    return getattr(stream, "handle", stream)
+
+
+class EmbeddingLauncher:
+    """``launcher(ids, table, out, num_rows, num_tokens, stream)``.
+
+    ids i32[T]; table dtype[num_rows, hidden]; out dtype[T, hidden]; stream: a CUstream or an
+    object with ``.handle``. T == 0 launches nothing.
+    """
+
+    def __init__(self, compiled: Any, hidden: int, dtype: str) -> None:
+        self.compiled, self.hidden, self.dtype = compiled, hidden, dtype
+
+    def __call__(self, ids: Any, table: Any, out: Any, num_rows: int, num_tokens: int,
+                 stream: Any) -> None:
+        num_rows, num_tokens = int(num_rows), int(num_tokens)
+        if num_tokens <= 0:
+            return
+        if num_rows <= 0:
+            raise common.KernelArgError(f"num_rows={num_rows}: the table must have rows")
+        self.compiled(_ptr(ids, "i32", num_tokens, "ids"),
+                      _ptr(table, self.dtype, num_rows * self.hidden, "table"),
+                      _ptr(out, self.dtype, num_tokens * self.hidden, "out"),
+                      Int32(num_rows), Int32(num_tokens), _stream(stream))
+
+
+def compile_embedding(hidden: int, dtype: str = "bf16") -> EmbeddingLauncher:
+    """Compile (once per ``(hidden, dtype)``) the row gather."""
+
+    def build() -> EmbeddingLauncher:
+        op = Embedding(hidden, dtype)
+        compiled = cute.compile(op, common.fake_ptr("i32"), common.fake_ptr(dtype),
+                                common.fake_ptr(dtype), Int32(1), Int32(1), common.fake_stream())
+        return EmbeddingLauncher(compiled, hidden, dtype)
+
+    return common.cached_compile(("embedding", hidden, dtype), build)

@@ -1,0 +1,92 @@
+"""SwiGLU: ``out = bf16(bf16(g * sigmoid(g)) * u)`` with ``g = x[:, :I]``, ``u = x[:, I:]``.
+
+fp32 inside (``sigmoid(g) = 1 / (1 + exp(-g))``), bf16 in and out.
+
+Constraints: I (intermediate size) is compile-time, I % 8 == 0; T is runtime.
+Layout: ``x`` bf16 ``[T, 2I]`` (gate columns first, then up), ``out`` bf16 ``[T, I]``, both
+row-major contiguous, rows 16-byte aligned.
+Grid ``(T, ceil(I/8 / (block * NV)), 1)``, block ``min(256, ceil32(I/8))`` threads; each thread
+handles ``NV`` 128-bit vectors of g and of u (NV = 2 once a row needs more than one CTA of 256).
+"""
+
+import cutlass_kernels._common as common  # noqa: I001  (sets CUTE_DSL_ARCH before cutlass)
+from typing import Any
+
+import cutlass
+import cutlass.cute as cute
+from cuda.bindings import driver as cuda
+from cutlass import BFloat16, Float32, Int32
+
+VEC = 8
+
+
+class SiluMul:
+    def __init__(self, intermediate: int) -> None:
+        if intermediate % VEC:
+            raise ValueError(f"intermediate={intermediate} must be a multiple of {VEC}")
+        self.inter = intermediate
+        self.nvec = intermediate // VEC
+        self.threads = min(256, (self.nvec + 31) // 32 * 32)
+        self.nv = 2 if self.nvec > 2 * self.threads else 1
+        per_cta = self.threads * self.nv
+        self.ctas_per_row = (self.nvec + per_cta - 1) // per_cta
+
+    @cute.jit
+    def __call__(self, x: cute.Pointer, out: cute.Pointer, num_tokens: Int32,
+                 stream: cuda.CUstream):
+        # x viewed as (T, 2 [gate/up], I/8, 8)
+        mX = cute.make_tensor(x, cute.make_layout((num_tokens, 2, self.nvec, VEC),
+                                                  stride=(2 * self.inter, self.inter, VEC, 1)))
+        mO = cute.make_tensor(out, cute.make_layout((num_tokens, self.nvec, VEC),
+                                                    stride=(self.inter, VEC, 1)))
+        self.kernel(mX, mO).launch(grid=[num_tokens, self.ctas_per_row, 1],
+                                   block=[self.threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mO: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        row, cta, _ = cute.arch.block_idx()
+        base = cta * (self.threads * self.nv) + tidx
+        for i in cutlass.range_constexpr(self.nv):
+            c = base + i * self.threads
+            if c < self.nvec:
+                g = mX[row, 0, c, None].load().to(Float32)
+                u = mX[row, 1, c, None].load().to(Float32)
+                act = (g / (Float32(1.0) + cute.math.exp(-g))).to(BFloat16).to(Float32)
+                mO[row, c, None].store((act * u).to(BFloat16))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side
+
+
+def _ptr(buf: Any, numel: int, name: str) -> cute.Pointer:
+    nbytes = getattr(buf, "nbytes", None)
+    if nbytes is not None and nbytes < 2 * numel:
+        raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {2 * numel} B")
+    return common.gmem_ptr("bf16", common.addr(buf))
+
+
+class SiluMulLauncher:
+    """``launcher(x, out, num_tokens, stream)``: x bf16[T, 2I] -> out bf16[T, I]."""
+
+    def __init__(self, compiled: Any, intermediate: int) -> None:
+        self.compiled, self.inter = compiled, intermediate
+
+    def __call__(self, x: Any, out: Any, num_tokens: int, stream: Any) -> None:
+        t = int(num_tokens)
+        if t <= 0:
+            return
+        self.compiled(_ptr(x, 2 * t * self.inter, "x"), _ptr(out, t * self.inter, "out"),
+                      Int32(t), getattr(stream, "handle", stream))
+
+
+def compile_silu_mul(intermediate: int) -> SiluMulLauncher:
+    """Compile (once per ``intermediate``) the SiLU-and-mul kernel."""
+
+    def build() -> SiluMulLauncher:
+        p = common.fake_ptr("bf16")
+        compiled = cute.compile(SiluMul(intermediate), p, p, Int32(1), common.fake_stream())
+        return SiluMulLauncher(compiled, intermediate)
+
+    return common.cached_compile(("silu_mul", intermediate), build)
