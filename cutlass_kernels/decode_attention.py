@@ -30,7 +30,11 @@ Outputs: num_splits == 1: out bf16[B, nq * hd] directly. num_splits > 1: the wor
 ml[B, nq, S, 2] (running max in log2 units, sum of exponentials), and a combine kernel (one warp
 per (b, qh)) merges the splits and writes out. Padding rows (context 1, page 0) compute garbage-free
 results like any other row. Constraints: head_dim in {64, 128}, page_size 16, nq % nkv == 0,
-nq / nkv <= 8, pointers 16-byte aligned.
+nq / nkv <= 8, context_lens >= 1, pointers 16-byte aligned.
+
+    launch = compile_decode_attention(nq, nkv, hd)
+    launch(q, k_cache, v_cache, page_indices, context_lens, out, workspace,   # buffers / addrs
+           batch, page_stride, num_splits, scale, stream)    # workspace may be None at 1 split
 """
 
 import cutlass_kernels._common as _common  # noqa: I001  (sets CUTE_DSL_ARCH before cutlass)

@@ -22,7 +22,11 @@ touched and stale cache slots cannot inject NaN through P @ V.
     KV cache (per layer):  cache[num_pages, nkv, 16, hd]; tile rows 16j..16j+15 <- page j
 
 Constraints: head_dim in {64, 128}, page_size 16, nq % nkv == 0, ctx >= q_len for every
-sequence, pointers 16-byte aligned, T * nq * head_dim < 2^31.
+sequence, max_q_len >= every q_len, pointers 16-byte aligned, T * nq * head_dim < 2^31.
+
+    launch = compile_prefill_attention(nq, nkv, hd)
+    launch(q, k_cache, v_cache, cu_seqlens_q, context_lens, page_indices, out,  # buffers / addrs
+           total_q, batch, page_stride, max_q_len, scale, stream)
 """
 
 import cutlass_kernels._common as _common  # noqa: I001  (sets CUTE_DSL_ARCH before cutlass)
