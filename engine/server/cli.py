@@ -1,0 +1,56 @@
+"""``cuteinfer serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    cuteinfer serve [--model DIR] [--host H] [--port P] [engine options]
+
+With no --model it serves the embedded default model (SmolLM2-135M-Instruct), as ``generate``
+does. Exits non-zero when the engine dies or stalls, so a supervisor can restart it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from engine.commands.generate import add_engine_arguments, engine_options
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the checkpoint directory name)")
+    p.add_argument("--engine-step-timeout", type=float, default=120.0, metavar="S",
+                   help="declare the engine dead after S seconds without progress while "
+                   "requests are in flight (default 120)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+                   help="after a fatal engine error, keep answering 503 for S seconds before "
+                   "exiting (default 5)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+
+
+def run(a: argparse.Namespace) -> int:
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.server.launch import OpenAIServer
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    t0 = time.perf_counter()
+    eng = LLMEngine(EngineConfig.from_kwargs(model=a.model, **engine_options(a)))
+    print(f"[cuteinfer] model {eng.model_dir.name} ({eng.model_config.architecture}) on backend "
+          f"{eng.backend}, max_model_len {eng.config.max_model_len}, "
+          f"{eng.block_manager.num_pages} KV pages, loaded in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
+    server = OpenAIServer(eng, host=a.host, port=a.port, served_model_name=a.served_model_name,
+                          step_timeout_s=a.engine_step_timeout,
+                          shutdown_grace_s=a.shutdown_grace, log_level=a.log_level,
+                          access_log=a.access_log)
+    code = server.run()
+    if code:
+        print(f"[cuteinfer] exiting with status {code}: {server.async_engine.fatal}",
+              file=sys.stderr)
+    return code

@@ -1,0 +1,209 @@
+"""OpenAI request bodies (pydantic, strict types), the error JSON, and the mapping of a request's
+sampling fields onto ``SamplingParams``.
+
+Types are strict, as OpenAI's API is: ``"max_tokens": "5"`` is a 400, not a coerced 5. Unknown
+fields are accepted and ignored (clients send vendor extras); fields the engine cannot honor
+(``n`` > 1, penalties, ``logit_bias``, ``echo``, tools...) are refused with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, message: str, status: int = 400, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, 400, param=param, code=code)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, 503, type="service_unavailable_error", code="engine_unavailable")
+
+
+def server_error(message: str) -> APIError:
+    return APIError(message, 500, type="server_error", code="internal_error")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+
+
+class _SamplingBody(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    ignore_eos: bool | None = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+
+    def check_supported(self) -> None:
+        if self.n not in (None, 1):
+            raise bad_request(f"n={self.n} is not supported: this server returns one choice per "
+                              "request (n=1); send separate requests instead", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported; leave it at 0", name)
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed when stream is true",
+                              "stream_options")
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
+                stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens is not False,
+                include_stop_str_in_output=bool(self.include_stop_str_in_output))
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.field) from None
+
+
+class CompletionRequest(_SamplingBody):
+    """POST /v1/completions. ``prompt``: a string, a list of token ids, or a one-element list of
+    either (batches of prompts are refused: send one request per prompt)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise bad_request("echo is not supported", "echo")
+        if self.best_of not in (None, 1):
+            raise bad_request("best_of is not supported (only 1)", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise bad_request(f"got {len(p)} prompts: this server takes one prompt per "
+                                  "request", "prompt")
+            return p[0]  # type: ignore[return-value]
+        return p  # type: ignore[return-value]
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingBody):
+    """POST /v1/chat/completions, rendered with the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras: template variables (Qwen3: enable_thinking) and the generation prompt
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise bad_request("tools are not supported", "tools")
+        rf = self.response_format
+        if rf and rf.get("type") not in (None, "text"):
+            raise bad_request("response_format other than {'type': 'text'} is not supported",
+                              "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: content parts joined into text."""
+        out = []
+        for i, m in enumerate(self.messages):
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                texts = []
+                for part in m.content:
+                    if part.type != "text" or part.text is None:
+                        raise bad_request(f"content part of type {part.type!r}: only text parts "
+                                          "are supported", f"messages.{i}.content")
+                    texts.append(part.text)
+                d["content"] = "\n".join(texts)
+            out.append(d)
+        return out

