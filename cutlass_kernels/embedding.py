@@ -71,13 +71,13 @@ class Embedding:
 # Host side
 
 
-def _ptr(buf: Any, dtype: str, numel: int, name: str) -> cute.Pointer:
+def _ptr(buf: Any, dtype: str, numel: int, name: str, align: int = 16) -> cute.Pointer:
     """Typed pointer for a device buffer (has .ptr) or an address; checks size when known."""
     nbytes = getattr(buf, "nbytes", None)
     need = numel * {"bf16": 2, "f32": 4, "i32": 4}[dtype]
     if nbytes is not None and nbytes < need:
         raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {need} B")
-    return common.gmem_ptr(dtype, common.addr(buf))
+    return common.gmem_ptr(dtype, common.addr(buf), align)
 
 
 def _stream(stream: Any) -> Any:
@@ -87,8 +87,8 @@ def _stream(stream: Any) -> Any:
 class EmbeddingLauncher:
     """``launcher(ids, table, out, num_rows, num_tokens, stream)``.
 
-    ids i32[T]; table dtype[num_rows, hidden]; out dtype[T, hidden]; stream: a CUstream or an
-    object with ``.handle``. T == 0 launches nothing.
+    ids i32[T] (4-byte aligned); table dtype[num_rows, hidden]; out dtype[T, hidden] (16-byte
+    aligned); stream: a CUstream or an object with ``.handle``. T == 0 launches nothing.
     """
 
     def __init__(self, compiled: Any, hidden: int, dtype: str) -> None:
@@ -101,7 +101,7 @@ class EmbeddingLauncher:
             return
         if num_rows <= 0:
             raise common.KernelArgError(f"num_rows={num_rows}: the table must have rows")
-        self.compiled(_ptr(ids, "i32", num_tokens, "ids"),
+        self.compiled(_ptr(ids, "i32", num_tokens, "ids", 4),
                       _ptr(table, self.dtype, num_rows * self.hidden, "table"),
                       _ptr(out, self.dtype, num_tokens * self.hidden, "out"),
                       Int32(num_rows), Int32(num_tokens), _stream(stream))
@@ -112,7 +112,7 @@ def compile_embedding(hidden: int, dtype: str = "bf16") -> EmbeddingLauncher:
 
     def build() -> EmbeddingLauncher:
         op = Embedding(hidden, dtype)
-        compiled = cute.compile(op, common.fake_ptr("i32"), common.fake_ptr(dtype),
+        compiled = cute.compile(op, common.fake_ptr("i32", 4), common.fake_ptr(dtype),
                                 common.fake_ptr(dtype), Int32(1), Int32(1), common.fake_stream())
         return EmbeddingLauncher(compiled, hidden, dtype)
 

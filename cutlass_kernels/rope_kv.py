@@ -154,12 +154,12 @@ class RopeKV:
 _SIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
 
 
-def _ptr(buf: Any, dtype: str, numel: int, name: str) -> cute.Pointer:
+def _ptr(buf: Any, dtype: str, numel: int, name: str, align: int = 16) -> cute.Pointer:
     nbytes = getattr(buf, "nbytes", None)
     need = numel * _SIZE[dtype]
     if nbytes is not None and nbytes < need:
         raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {need} B")
-    return common.gmem_ptr(dtype, common.addr(buf))
+    return common.gmem_ptr(dtype, common.addr(buf), align)
 
 
 class RopeKVLauncher:
@@ -169,6 +169,7 @@ class RopeKVLauncher:
     qkv bf16[T, (nq+2nkv)*d]; positions i32[T]; slot_mapping i64[T]; q_norm_w, k_norm_w bf16[d]
     (None when compiled without qk_norm); cos_sin f32[max_pos, d]; q_out bf16[T, nq*d];
     k_cache, v_cache bf16[num_pages, nkv, page_size, d] (one layer); eps: Python float.
+    positions / slot_mapping need their natural alignment (4 / 8 bytes), the rest 16 bytes.
     """
 
     def __init__(self, compiled: Any, op: RopeKV) -> None:
@@ -192,8 +193,8 @@ class RopeKVLauncher:
         else:  # never read; any valid bf16 pointer fills the slot
             pwq = pwk = _ptr(qkv, "bf16", 0, "qkv")
         self.compiled(_ptr(qkv, "bf16", t * op.width, "qkv"),
-                      _ptr(positions, "i32", t, "positions"),
-                      _ptr(slot_mapping, "i64", t, "slot_mapping"), pwq, pwk, pcs,
+                      _ptr(positions, "i32", t, "positions", 4),
+                      _ptr(slot_mapping, "i64", t, "slot_mapping", 8), pwq, pwk, pcs,
                       _ptr(q_out, "bf16", t * op.nq * op.hd, "q_out"),
                       _ptr(k_cache, "bf16", 0, "k_cache"), _ptr(v_cache, "bf16", 0, "v_cache"),
                       Int32(t), Int32(max_pos), Float32(float(eps)),
@@ -208,8 +209,9 @@ def compile_rope_kv(num_q_heads: int, num_kv_heads: int, head_dim: int, page_siz
     def build() -> RopeKVLauncher:
         op = RopeKV(num_q_heads, num_kv_heads, head_dim, page_size, bool(qk_norm))
         b, f = common.fake_ptr("bf16"), common.fake_ptr("f32")
-        compiled = cute.compile(op, b, common.fake_ptr("i32"), common.fake_ptr("i64"), b, b, f,
-                                b, b, b, Int32(1), Int32(1), Float32(1e-6), common.fake_stream())
+        pos, slots = common.fake_ptr("i32", 4), common.fake_ptr("i64", 8)
+        compiled = cute.compile(op, b, pos, slots, b, b, f, b, b, b, Int32(1), Int32(1),
+                                Float32(1e-6), common.fake_stream())
         return RopeKVLauncher(compiled, op)
 
     return common.cached_compile(key, build)

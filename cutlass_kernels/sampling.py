@@ -450,18 +450,20 @@ class LogProbs:
 _SIZE = {"f32": 4, "i32": 4, "u32": 4, "u64": 8}
 
 
-def _ptr(buf: Any, dtype: str, numel: int, name: str) -> cute.Pointer:
+def _ptr(buf: Any, dtype: str, numel: int, name: str, align: int | None = None) -> cute.Pointer:
+    """Logits: 16-byte aligned (vector loads); per-row arrays: natural alignment."""
     nbytes = getattr(buf, "nbytes", None)
     need = numel * _SIZE[dtype]
     if nbytes is not None and nbytes < need:
         raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {need} B")
-    return common.gmem_ptr(dtype, common.addr(buf))
+    return common.gmem_ptr(dtype, common.addr(buf), align or _SIZE[dtype])
 
 
 class SamplerLauncher:
     """``launcher(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens, num_rows,
     stream)``: logits f32[S, V]; temperature f32[S]; top_k i32[S]; top_p f32[S]; min_p f32[S];
-    seeds u64[S]; steps u32[S] -> tokens i32[S]."""
+    seeds u64[S]; steps u32[S] -> tokens i32[S]. logits 16-byte aligned; the per-row arrays need
+    their natural alignment only."""
 
     def __init__(self, compiled: Any, vocab: int) -> None:
         self.compiled, self.vocab = compiled, vocab
@@ -471,7 +473,7 @@ class SamplerLauncher:
         s = int(num_rows)
         if s <= 0:
             return
-        self.compiled(_ptr(logits, "f32", s * self.vocab, "logits"),
+        self.compiled(_ptr(logits, "f32", s * self.vocab, "logits", 16),
                       _ptr(temperature, "f32", s, "temperature"), _ptr(top_k, "i32", s, "top_k"),
                       _ptr(top_p, "f32", s, "top_p"), _ptr(min_p, "f32", s, "min_p"),
                       _ptr(seeds, "u64", s, "seeds"), _ptr(steps, "u32", s, "steps"),
@@ -502,7 +504,7 @@ class LogProbsLauncher:
         width = self.max_top_n
         pi = _ptr(top_ids, "i32", rows * width, "top_ids") if n else _ptr(token_rank, "i32", 0, "")
         pv = _ptr(top_logprobs, "f32", rows * width, "top_logprobs") if n else pl
-        self.compiled(_ptr(logits, "f32", rows * self.vocab, "logits"),
+        self.compiled(_ptr(logits, "f32", rows * self.vocab, "logits", 16),
                       _ptr(token_ids, "i32", rows, "token_ids"), pl,
                       _ptr(token_rank, "i32", rows, "token_rank"), pi, pv, Int32(rows), Int32(n),
                       getattr(stream, "handle", stream))
@@ -512,9 +514,10 @@ def compile_sampler(vocab: int) -> SamplerLauncher:
     """Compile (once per vocab) the sampler."""
 
     def build() -> SamplerLauncher:
-        f, i = common.fake_ptr("f32"), common.fake_ptr("i32")
-        compiled = cute.compile(Sampler(vocab), f, f, i, f, f, common.fake_ptr("u64"),
-                                common.fake_ptr("u32"), i, Int32(1), common.fake_stream())
+        f, i = common.fake_ptr("f32", 4), common.fake_ptr("i32", 4)
+        compiled = cute.compile(Sampler(vocab), common.fake_ptr("f32"), f, i, f, f,
+                                common.fake_ptr("u64", 8), common.fake_ptr("u32", 4), i, Int32(1),
+                                common.fake_stream())
         return SamplerLauncher(compiled, vocab)
 
     return common.cached_compile(("sampler", vocab), build)
@@ -524,9 +527,9 @@ def compile_logprobs(vocab: int, max_top_n: int = 20) -> LogProbsLauncher:
     """Compile (once per (vocab, max_top_n)) the logprobs kernel."""
 
     def build() -> LogProbsLauncher:
-        f, i = common.fake_ptr("f32"), common.fake_ptr("i32")
-        compiled = cute.compile(LogProbs(vocab, max_top_n), f, i, f, i, i, f, Int32(1), Int32(1),
-                                common.fake_stream())
+        f, i = common.fake_ptr("f32", 4), common.fake_ptr("i32", 4)
+        compiled = cute.compile(LogProbs(vocab, max_top_n), common.fake_ptr("f32"), i, f, i, i, f,
+                                Int32(1), Int32(1), common.fake_stream())
         return LogProbsLauncher(compiled, vocab, max_top_n)
 
     return common.cached_compile(("logprobs", vocab, max_top_n), build)
