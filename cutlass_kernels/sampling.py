@@ -259,18 +259,17 @@ class Sampler:
               need_from_total: cutlass.Boolean):
         """Warp 0: the bin where the descending cumulative weight reaches ``need``.
 
+        Lane l owns the 64-bin chunk ``[NBINS - 64(l+1), NBINS - 64l)``; a warp scan over the
+        chunk sums finds the chunk, a second one over its bins (two per lane) the bin.
         Writes sRes = (bin, weight of the bins above it, its weight, need used).
         """
         lane = cute.arch.lane_idx()
         per = NBINS // 32
-        top = NBINS - per * lane  # lane 0 takes the highest bins
+        top = NBINS - per * lane
         tot = Uint64(0)
-        for i in range(per):
-            tot = tot + sHist[top - 1 - i]
-        incl = tot
-        for s in cutlass.range_constexpr(5):
-            y = cute.arch.shuffle_sync_up(incl, offset=1 << s)
-            incl = incl + y if lane >= (1 << s) else incl
+        for i in range(per):  # rotated start: the 32 lanes hit 32 different banks
+            tot = tot + sHist[top - 1 - (i + lane) % per]
+        incl = self._warp_scan(tot, lane)
         if need_from_total:  # top-p: need = ceil(frac * total), in [1, total]
             total = cute.arch.shuffle_sync(incl, offset=31)
             f = Float64(frac) * Float64(total)
@@ -278,19 +277,35 @@ class Sampler:
             need = need + Uint64(1) if Float64(need) < f else need
             need = need if need > Uint64(0) else Uint64(1)
             need = need if need < total else total
-        excl = incl - tot
-        if (excl < need) & (need <= incl):
-            cum = excl
-            found = Int32(0)
-            for i in range(per):
-                h = sHist[top - 1 - i]
-                if (found == 0) & (cum + h >= need):
-                    sRes[0] = Uint64(top - 1 - i)
-                    sRes[1] = cum
-                    sRes[2] = h
-                    sRes[3] = need
-                    found = Int32(1)
-                cum = cum if found != 0 else cum + h
+        hit = ((incl - tot) < need) & (need <= incl)
+        mask = Uint32(cute.arch.vote_ballot_sync(hit))
+        if mask != Uint32(0):  # exactly one chunk holds the crossing when 1 <= need <= total
+            c = Int32(Uint32(31) - cute.arch.clz(mask))
+            cum_chunk = cute.arch.shuffle_sync(incl - tot, offset=c)
+            b0 = NBINS - per * c - 1 - 2 * lane  # this lane's bins, descending: b0, b0 - 1
+            h0 = sHist[b0]
+            h1 = sHist[b0 - 1]
+            pair = h0 + h1
+            above = cum_chunk + self._warp_scan(pair, lane) - pair
+            if (above < need) & (need <= above + pair):
+                bin_ = b0
+                h = h0
+                if need > above + h0:
+                    bin_ = b0 - 1
+                    above = above + h0
+                    h = h1
+                sRes[0] = Uint64(bin_)
+                sRes[1] = above
+                sRes[2] = h
+                sRes[3] = need
+
+    @cute.jit
+    def _warp_scan(self, v: Uint64, lane: Int32) -> Uint64:
+        """Inclusive prefix sum over the warp's lanes (lane 0 first)."""
+        for s in cutlass.range_constexpr(5):
+            y = cute.arch.shuffle_sync_up(v, offset=1 << s)
+            v = v + y if lane >= (1 << s) else v
+        return v
 
     @cute.jit
     def _gumbel(self, mL: cute.Tensor, r: Int32, temp: Float32, zmax: Float32, kk: Uint32,
