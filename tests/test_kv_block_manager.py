@@ -54,7 +54,7 @@ def test_construction_and_padding_page() -> None:
 def test_max_page_refs() -> None:
     assert max_page_refs(256, 4096, 16) == 256 * 256
     assert max_page_refs(3, 33, 16) == 9
-    assert BlockManager(9, 16).max_page_refs(3, 33) == 9
+    assert BlockManager(5, 16).max_page_refs(3, 33) == 9  # not the pool size (5)
 
 
 def test_prefix_hit_is_capped_and_shared() -> None:
