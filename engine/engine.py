@@ -183,6 +183,10 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook(plan)
+            # the by-reference page total of the step must fit the page-index buffer
+            self.block_manager.check_step_refs([s.request.request_id for s in plan.seqs],
+                                               self.config.max_num_seqs,
+                                               self.config.max_model_len)
             batch = prepare(plan, sched)
             out = self.executor.execute(batch)
         except Exception as e:  # fail this step's requests only; keep serving
