@@ -194,3 +194,11 @@ def ref_filter_margin(logits: np.ndarray, temperature: float, top_k: int, top_p:
         before = np.cumsum(pk) - pk
         margin = min(margin, float(np.abs(before - top_p).min()))
     return margin
+
+
+# ---- gemm (gemm.py) ----------------------------------------------------------------------------
+
+
+def ref_gemm(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``C = A @ W^T`` in float32: a [M, K], w [N, K] (bf16 or float) -> float32 [M, N]."""
+    return np.asarray(a, np.float32) @ np.asarray(w, np.float32).T

@@ -1,0 +1,195 @@
+"""Linear layers: ``C[M, N] = A[M, K] @ W[N, K]^T`` on Hopper, bf16 in, fp32 accumulate.
+
+Entry point: ``compile_gemm(n, k, out_dtype)`` returns a ``GemmLauncher``; call it as
+``launcher(a, w, c, m, stream)``. N and K (the weight's shape) and the output dtype are
+compile-time; M (tokens) is a runtime value, 1 .. any.
+
+Layout (docs/kernels.md): A ``bf16[M, K]`` activations, W ``bf16[N, K]`` the checkpoint weight
+(``[out_features, in_features]``; QKV and gate_up are concatenated along N), C ``[M, N]`` bf16 or
+fp32 (``out_dtype="f32"`` for lm_head logits). All row-major and contiguous; C is rounded once,
+from the fp32 accumulator.
+
+Constraints (checked by ``compile_gemm``): N % 8 == 0, K % 64 == 0 (every model width is a
+multiple of 64), N, K > 0; buffers 16-byte aligned (checked per call). M = 0 is a no-op.
+
+Two paths, chosen per call by M (M stays dynamic inside each compiled kernel):
+
+* ``M <= crossover`` (decode): ``gemm_skinny.GemmSkinnySm90``, swap-AB wgmma + TMA with a
+  cluster split-K, built to stream W once at HBM bandwidth. One compile per token tile in
+  ``skinny_tiles``; the smallest tile >= M serves the call (above the largest tile, the largest
+  one runs ceil(M / tile) token tiles).
+* ``M > crossover`` (prefill, big batches): ``gemm_sm90.GemmSm90``, a 128 x ``tile_n`` x 64
+  tiled wgmma GEMM with a multistage TMA pipeline and TMA-store epilogue.
+
+Crossover, reasoned (tune on the GPU): the tiled path launches ceil(M/128) * ceil(N/tile_n)
+CTAs, far below one per SM for M <= 128 at the model widths (N = 4096, M = 128: 16 CTAs on 132
+SMs), so there it can neither pull W at HBM speed nor use the tensor cores of idle SMs. The
+skinny path always spreads W over ~1-2 waves (64-row slabs x split-K; the token tiles of a slab
+run side by side and share W through L2) and its wgmma work stays below the W stream while the
+arithmetic intensity M FLOP/byte is under H200's ~200 FLOP/byte ridge. Default crossover 128,
+token tiles 16 (decode batch <= 16) and 64 (two tiles for M = 65..128).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import cutlass_kernels._common as common  # sets CUTE_DSL_ARCH before cutlass loads
+
+# isort: split
+import cutlass
+import cutlass.cute as cute
+
+from cutlass_kernels.gemm_skinny import SLAB, GemmSkinnySm90, skinny_plan
+from cutlass_kernels.gemm_sm90 import BK, GemmSm90
+
+OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
+H200_SMS = 132
+
+
+class GemmShapeError(ValueError):
+    """compile_gemm got a shape or option this GEMM does not support; the message says why."""
+
+
+def choose_split_k(n: int, k: int, tile_t: int, num_sms: int = H200_SMS) -> int:
+    """Split-K factor (cluster size, <= 8) for the skinny path, for one token tile.
+
+    Cost model: W-tile rounds on the busiest CTA slot = waves * k_tiles_per_split, where
+    waves = ceil(slabs * s / slots). Smallest s wins ties (less reduction work).
+    """
+    slabs = (n + SLAB - 1) // SLAB
+    k_tiles = (k + BK - 1) // BK
+    slots = num_sms * skinny_plan(tile_t)[1]
+    best, best_cost = 1, None
+    for s in (1, 2, 4, 8):
+        if s > k_tiles:
+            break
+        cost = -(-slabs * s // slots) * -(-k_tiles // s)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def choose_tile_n(n: int) -> int:
+    """Tiled path CTA width: 256 (m64n256 wgmma, most FLOPs per smem byte) for wide weights,
+    128 when N is small enough that 256 would leave too few CTAs per M-tile row."""
+    return 256 if n >= 4096 else 128
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    n: int
+    k: int
+    out_dtype: str
+    crossover: int
+    skinny: tuple[tuple[int, int], ...]  # (tile_t, split_k), ascending tile_t
+    tile_n: int
+
+
+class GemmLauncher:
+    """Typed entry to the compiled kernels of one (N, K, out_dtype).
+
+    ``launcher(a, w, c, m, stream)``: a, w, c are device buffers (objects with ``.ptr``) or
+    integer addresses; m is a Python int; stream a ``cuda.bindings.driver.CUstream`` (or an
+    object with ``.handle``, e.g. engine.cuda.driver.Stream).
+    """
+
+    def __init__(self, cfg: GemmConfig, skinny: list[tuple[int, Any]], tiled: Any) -> None:
+        self.cfg = cfg
+        self._skinny = skinny  # [(tile_t, compiled)] ascending
+        self._tiled = tiled
+        # Pointer objects by address: building them costs ~10 us a call, and the engine passes
+        # the same static buffers every step.
+        self._ptrs: dict[tuple[str, int], Any] = {}
+
+    def _ptr(self, dtype: str, buf: Any) -> Any:
+        key = (dtype, common.addr(buf))
+        ptr = self._ptrs.get(key)
+        if ptr is None:
+            if len(self._ptrs) >= 1024:
+                self._ptrs.clear()
+            ptr = self._ptrs[key] = common.gmem_ptr(dtype, key[1])
+        return ptr
+
+    def path(self, m: int) -> str:
+        """Which kernel serves M: 'skinny<tile_t>' or 'tiled'."""
+        return self._pick(m)[0]
+
+    def _pick(self, m: int) -> tuple[str, Any]:
+        if m <= self.cfg.crossover:
+            for tile_t, fn in self._skinny:
+                if m <= tile_t:
+                    return f"skinny{tile_t}", fn
+            if self._skinny:
+                tile_t, fn = self._skinny[-1]
+                return f"skinny{tile_t}", fn
+        return "tiled", self._tiled
+
+    def compiled(self) -> list[Any]:
+        """Every compiled function (to load modules, ``f.to()``, before graph capture)."""
+        return [fn for _, fn in self._skinny] + [self._tiled]
+
+    def __call__(self, a: Any, w: Any, c: Any, m: int, stream: Any) -> None:
+        if not isinstance(m, int) or isinstance(m, bool) or m < 0:
+            raise common.KernelArgError(f"m must be a non-negative Python int, got {m!r}")
+        if m == 0:
+            return
+        name, fn = self._pick(m)
+        # The skinny kernel indexes C with Int32; TMA (tiled path) takes 32-bit coordinates.
+        if m * self.cfg.k >= 2**31 or (name != "tiled" and m * self.cfg.n >= 2**31):
+            raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")
+        fn(self._ptr("bf16", a), self._ptr("bf16", w), self._ptr(self.cfg.out_dtype, c),
+           cutlass.Int32(m), getattr(stream, "handle", stream))
+
+
+def _check(n: int, k: int, out_dtype: str, crossover: int, skinny_tiles: tuple[int, ...],
+           tile_n: int) -> None:
+    if out_dtype not in OUT_DTYPES:
+        raise GemmShapeError(f"out_dtype must be one of {sorted(OUT_DTYPES)}, got {out_dtype!r}")
+    if n <= 0 or n % 8:
+        raise GemmShapeError(f"N={n}: must be a positive multiple of 8 (16-byte rows of C)")
+    if k <= 0 or k % 64:
+        raise GemmShapeError(f"K={k}: must be a positive multiple of 64 (the K tile)")
+    if crossover < 0:
+        raise GemmShapeError(f"crossover={crossover}: must be >= 0 (0 = tiled path only)")
+    if crossover > 0 and not skinny_tiles:
+        raise GemmShapeError("crossover > 0 needs at least one skinny tile")
+    for t in skinny_tiles:
+        if t % 8 or not 8 <= t <= 256:
+            raise GemmShapeError(f"skinny tile {t}: must be a multiple of 8 in [8, 256]")
+    if tile_n not in (128, 256):
+        raise GemmShapeError(f"tile_n={tile_n}: must be 128 or 256")
+
+
+def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 128,
+                 skinny_tiles: tuple[int, ...] = (16, 64), split_k: int | None = None,
+                 tile_n: int | None = None, num_sms: int = H200_SMS) -> GemmLauncher:
+    """Compile (once per key) the kernels for ``C[M, n] = A[M, k] @ W[n, k]^T``.
+
+    crossover: largest M served by the skinny (decode) path; 0 disables it.
+    skinny_tiles: token tiles compiled for the skinny path (only those needed for M <=
+        crossover are compiled). split_k: force the skinny split-K factor (1..8; default from
+        ``choose_split_k``). tile_n: tiled-path CTA width (default ``choose_tile_n``).
+    num_sms: SM count the split-K heuristic plans for.
+    """
+    tile_n = choose_tile_n(n) if tile_n is None else tile_n
+    tiles = tuple(sorted(set(skinny_tiles)))
+    _check(n, k, out_dtype, crossover, tiles, tile_n)
+    needed: list[int] = []
+    for t in tiles:
+        if crossover > 0 and (not needed or needed[-1] < crossover):
+            needed.append(t)
+    if split_k is not None and (split_k not in (1, 2, 4, 8) or split_k > k // BK):
+        raise GemmShapeError(f"split_k={split_k}: must be 1, 2, 4 or 8 and <= K/64 = {k // BK}")
+    skinny = tuple((t, split_k or choose_split_k(n, k, t, num_sms)) for t in needed)
+    cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n)
+    return common.cached_compile(("gemm", cfg), lambda: _build(cfg))
+
+
+def _build(cfg: GemmConfig) -> GemmLauncher:
+    c_dtype = OUT_DTYPES[cfg.out_dtype]
+    args = (common.fake_ptr("bf16"), common.fake_ptr("bf16"), common.fake_ptr(cfg.out_dtype),
+            cutlass.Int32(1), common.fake_stream())
+    skinny = [(t, cute.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s), *args))
+              for t, s in cfg.skinny]
+    tiled = cute.compile(GemmSm90(cfg.n, cfg.k, c_dtype, tile_n=cfg.tile_n), *args)
+    return GemmLauncher(cfg, skinny, tiled)

@@ -1,0 +1,207 @@
+"""Hopper GEMM for small M (decode): ``C[M, N] = A[M, K] @ W[N, K]^T``, swap-AB with split-K.
+
+The decode path behind ``gemm.compile_gemm`` (read gemm.py first: constraints and dispatch).
+With M = 1..64 the GEMM is a stream over W: the goal is to read W once at HBM bandwidth. It
+computes ``C^T = W @ A^T`` so that W's rows fill wgmma's M = 64 and the few tokens sit in
+wgmma's N (``tile_t`` = 8..256, padded with zero rows by TMA). Each CTA owns 64 rows of W and a
+contiguous 1/``split_k`` of K; TMA streams 64 x 64 tiles of W and ``tile_t`` x 64 tiles of A
+through a ``stages``-deep mbarrier pipeline (many KiB in flight per SM, which is what HBM needs),
+and one warpgroup accumulates in fp32 with wgmma. Tensor cores keep the math off the critical
+path (fp32 FMA would be compute-bound at M = 16).
+
+Split-K without a workspace: the ``split_k`` CTAs of one 64-row slab form a thread-block cluster
+(``split_k`` <= 8). Each writes its fp32 partial tile to its own shared memory; after a cluster
+barrier each CTA sums 1/``split_k`` of the tile over all peers' shared memory (DSMEM) in a fixed
+order (deterministic), converts, and writes coalesced rows of C; a second cluster barrier keeps
+every CTA alive until its peers have read it.
+
+Layout: A ``[M, K]``, W ``[N, K]``, C ``[M, N]`` row-major. Grid ``(split_k, ceil(M/tile_t),
+ceil(N/64))``, cluster ``(split_k, 1, 1)``, 128 threads. M > tile_t works: the token tiles of one
+slab are adjacent in launch order, so they run together and W comes from DRAM about once.
+Offsets into C are Int32: M * N must stay below 2^31 (the launcher only uses this for small M).
+"""
+
+import cuda.bindings.driver as cuda
+
+import cutlass_kernels._common  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass loads)
+
+# isort: split
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from cutlass_kernels.gemm_sm90 import BK, MBAR_RESERVE, SMEM_CAPACITY, tma_wgmma_mainloop
+
+SLAB = 64  # W rows per CTA = wgmma M of one warpgroup
+SMEM_TWO_PER_SM = 113 * 1024  # per-CTA budget that lets two CTAs share an SM (228 KiB per SM)
+P_STRIDE = SLAB + 4  # fp32 partial tile [tile_t][SLAB + 4]: pad keeps accumulator stores
+# conflict-free (lanes differ by 2 tokens -> 136 words -> bank +8) and rows 16-byte aligned
+MAX_STAGES = 12
+
+
+def skinny_plan(tile_t: int) -> tuple[int, int, int]:
+    """(pipeline stages, resident CTAs per SM, smem budget per CTA) for a token tile.
+
+    Two CTAs per SM when that still leaves >= 4 stages (8 KiB of W each), else one CTA with
+    the whole 227 KiB.
+    """
+    stage_bytes = (SLAB + tile_t) * BK * 2
+    fixed = MBAR_RESERVE + tile_t * P_STRIDE * 4
+    for ctas, budget in ((2, SMEM_TWO_PER_SM), (1, SMEM_CAPACITY)):
+        stages = min(MAX_STAGES, (budget - fixed) // stage_bytes)
+        if stages >= 4 or ctas == 1:
+            return stages, ctas, budget
+    raise AssertionError("unreachable")
+
+
+class GemmSkinnySm90:
+    """Decode GEMM. Compile-time: N, K, output dtype, token tile, split-K factor."""
+
+    def __init__(self, n: int, k: int, c_dtype: type[cutlass.Numeric], tile_t: int = 16,
+                 split_k: int = 1):
+        if tile_t % 8 or not 8 <= tile_t <= 256:
+            raise ValueError(f"tile_t must be a multiple of 8 in [8, 256], got {tile_t}")
+        k_tiles = (k + BK - 1) // BK
+        if split_k not in (1, 2, 4, 8) or split_k > k_tiles:
+            raise ValueError(f"split_k must be 1, 2, 4 or 8 and <= K/64 = {k_tiles}, got {split_k}")
+        self.n, self.k = n, k
+        self.ab_dtype = cutlass.BFloat16
+        self.acc_dtype = cutlass.Float32
+        self.c_dtype = c_dtype
+        self.tile_t = tile_t
+        self.split_k = split_k
+        self.tile_mnk = (SLAB, tile_t, BK)  # wgmma (M, N, K) = (W rows, tokens, K)
+        self.k_tiles = k_tiles
+        self.k_per_split = (k_tiles + split_k - 1) // split_k
+        self.stages, self.ctas_per_sm, self.smem_budget = skinny_plan(tile_t)
+        assert self.stages >= 2, (tile_t, self.stages)
+        self.threads = 128
+        # The reduction: the partial tile is SLAB/4 * tile_t float4 vectors, split_k-way.
+        self.vecs_per_cta = (SLAB // 4) * tile_t // split_k
+        assert (SLAB // 4) * tile_t % split_k == 0
+
+    @cute.jit
+    def __call__(self, a: cute.Pointer, w: cute.Pointer, c: cute.Pointer, m: cutlass.Int32,
+                 stream: cuda.CUstream):
+        n, k = self.n, self.k
+        mA = cute.make_tensor(a, cute.make_layout((m, k), stride=(k, 1)))
+        mW = cute.make_tensor(w, cute.make_layout((n, k), stride=(k, 1)))
+        # C as float4-sized vectors: (4, N/4, M); slices [None, j, t] are 4-element aligned.
+        mC4 = cute.make_tensor(c, cute.make_layout((4, n // 4, m), stride=(1, 4, n)))
+        row = LayoutEnum.ROW_MAJOR
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, row.sm90_mma_major_mode(), row.sm90_mma_major_mode(),
+            self.acc_dtype, (1, 1, 1), tiler_mn=(SLAB, self.tile_t))
+        sW_layout = sm90_utils.make_smem_layout_a(row, self.tile_mnk, self.ab_dtype, self.stages)
+        sX_layout = sm90_utils.make_smem_layout_b(row, self.tile_mnk, self.ab_dtype, self.stages)
+        tma_w, tma_mW = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(sW_layout, (None, None, 0)),
+            (SLAB, BK))
+        tma_x, tma_mX = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sX_layout, (None, None, 0)),
+            (self.tile_t, BK))
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sW: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(sW_layout)], 1024]
+            sX: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(sX_layout)], 1024]
+            sP: cute.struct.Align[
+                cute.struct.MemRange[self.acc_dtype, self.tile_t * P_STRIDE], 16]
+
+        self.shared_storage = SharedStorage
+        assert SharedStorage.size_in_bytes() <= self.smem_budget, SharedStorage.size_in_bytes()
+        t_tiles = (m + self.tile_t - 1) // self.tile_t
+        cluster = [self.split_k, 1, 1] if self.split_k > 1 else None
+        self.kernel(tma_w, tma_mW, tma_x, tma_mX, mC4, tiled_mma, sW_layout, sX_layout, m).launch(
+            grid=[self.split_k, t_tiles, (n + SLAB - 1) // SLAB], block=[self.threads, 1, 1],
+            cluster=cluster, smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
+               mC4: cute.Tensor, tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout,
+               sX_layout: cute.ComposedLayout, m: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        split, pid_t, pid_n = cute.arch.block_idx()  # split == rank in the (split_k, 1, 1) cluster
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_w)
+            cpasync.prefetch_descriptor(tma_x)
+
+        storage = SmemAllocator().allocate(self.shared_storage)
+        tx_bytes = (cute.size_in_bytes(self.ab_dtype, cute.slice_(sW_layout, (None, None, 0)))
+                    + cute.size_in_bytes(self.ab_dtype, cute.slice_(sX_layout, (None, None, 0))))
+        # CTA-local pipeline (cluster size 1 for its barriers): the cluster is only for the
+        # split-K reduction, nothing is multicast.
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4),
+            tx_count=tx_bytes, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        sW = storage.sW.get_tensor(sW_layout.outer, swizzle=sW_layout.inner)
+        sX = storage.sX.get_tensor(sX_layout.outer, swizzle=sX_layout.inner)
+        # fp32 partial C^T tile: (W row, token) -> token * P_STRIDE + row
+        sP = storage.sP.get_tensor(cute.make_layout((SLAB, self.tile_t), stride=(1, P_STRIDE)))
+
+        tile_coord = (pid_n, pid_t, None)
+        gW = cute.local_tile(mW, self.tile_mnk, tile_coord, proj=(1, None, 1))  # (64, BK, kt)
+        gX = cute.local_tile(mX, self.tile_mnk, tile_coord, proj=(None, 1, 1))  # (tile_t, BK, kt)
+        tWsW, tWgW = cpasync.tma_partition(tma_w, 0, cute.make_layout(1),
+                                           cute.group_modes(sW, 0, 2), cute.group_modes(gW, 0, 2))
+        tXsX, tXgX = cpasync.tma_partition(tma_x, 0, cute.make_layout(1),
+                                           cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+        thr_mma = tiled_mma.get_slice(tidx)
+        tCrW = tiled_mma.make_fragment_A(thr_mma.partition_A(sW))
+        tCrX = tiled_mma.make_fragment_B(thr_mma.partition_B(sX))
+        tCsP = thr_mma.partition_C(sP)
+        acc = cute.make_rmem_tensor(tCsP.shape, self.acc_dtype)
+
+        k_begin = split * self.k_per_split
+        k_count = cutlass.max(cutlass.min(self.k_per_split, self.k_tiles - k_begin), 0)
+        tma_wgmma_mainloop(ab_pipeline, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, tiled_mma, tCrW,
+                           tCrX, acc, k_begin, k_count, self.stages, warp_idx == 0)
+
+        tCsP.store(acc.load())
+        if cutlass.const_expr(self.split_k > 1):
+            cute.arch.cluster_arrive()  # release: this CTA's partial is visible to the cluster
+            cute.arch.cluster_wait()  # acquire: every peer's partial is complete
+        else:
+            cute.arch.sync_threads()
+
+        # This CTA reduces float4 vectors [split * V, (split + 1) * V) of the tile, V =
+        # vecs_per_cta; vector v covers token v // 16, rows 4 * (v % 16) .. + 3.
+        sP4 = cute.make_tensor(sP.iterator, cute.make_layout((4, SLAB // 4, self.tile_t),
+                                                             stride=(1, 4, P_STRIDE)))
+        n_vec = self.n // 4
+        for it in cutlass.range_constexpr((self.vecs_per_cta + 127) // 128):
+            j = it * 128 + tidx
+            v = split * self.vecs_per_cta + j
+            t_local = v // (SLAB // 4)
+            r4 = v % (SLAB // 4)
+            t = pid_t * self.tile_t + t_local
+            col4 = pid_n * (SLAB // 4) + r4
+            if j < self.vecs_per_cta and t < m and col4 < n_vec:
+                total = cute.make_rmem_tensor((4,), self.acc_dtype)
+                total.fill(0.0)
+                part = cute.make_rmem_tensor((4,), self.acc_dtype)
+                for peer in cutlass.range_constexpr(self.split_k):
+                    src = sP4[None, r4, t_local]
+                    if cutlass.const_expr(self.split_k > 1):
+                        src = cute.make_tensor(cute.arch.map_dsmem_ptr(src.iterator, peer),
+                                               src.layout)
+                    cute.autovec_copy(src, part)
+                    total.store(total.load() + part.load())
+                out = cute.make_rmem_tensor((4,), self.c_dtype)
+                out.store(total.load().to(self.c_dtype))
+                cute.autovec_copy(out, mC4[None, col4, t])
+
+        if cutlass.const_expr(self.split_k > 1):
+            cute.arch.cluster_arrive()  # peers may still read this CTA's partial: stay alive
+            cute.arch.cluster_wait()

@@ -1,0 +1,214 @@
+"""CPU checks of cutlass_kernels/gemm.py: every model's linear layers compile for sm_90a (both
+paths), the PTX holds what Hopper needs, the epilogue's register order matches the accumulator,
+and the launcher validates shapes and arguments. No GPU needed (CUTE_DSL_ARCH=sm_90a)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("cutlass_kernels._common")  # sets CUTE_DSL_ARCH before cutlass loads
+
+from cutlass_kernels import gemm as G  # noqa: E402  (after the importorskip)
+from cutlass_kernels._common import KernelArgError  # noqa: E402
+
+# (hidden, q_size, kv_size, intermediate, vocab) per model; q = heads * head_dim
+MODELS = {
+    "qwen3-0.6b": (1024, 16 * 128, 8 * 128, 3072, 151936),
+    "qwen3-1.7b": (2048, 16 * 128, 8 * 128, 6144, 151936),
+    "qwen3-4b": (2560, 32 * 128, 8 * 128, 9728, 151936),
+    "qwen3-8b": (4096, 32 * 128, 8 * 128, 12288, 151936),
+    "smollm2-135m": (576, 9 * 64, 3 * 64, 1536, 49152),
+    # tools/make_checkpoint.py test presets
+    "tiny-qwen3": (128, 4 * 64, 2 * 64, 256, 1024),
+    "tiny-llama": (256, 4 * 64, 1 * 64, 512, 1000),
+    "small-qwen3": (256, 4 * 128, 2 * 128, 768, 151936),
+    "small-llama": (192, 3 * 64, 1 * 64, 512, 2048),
+}
+
+
+# Threads whose epilogue mapping is checked: lanes 0-7, 15-17, 31, and the first/last lane of
+# each warp; the second group of 22 is the same set in the second warpgroup.
+_WG = [0, 1, 2, 3, 4, 5, 6, 7, 15, 16, 17, 31, 32, 63, 64, 65, 95, 96, 97, 126, 127, 100]
+THREADS = _WG + [128 + t for t in _WG]
+
+
+def linear_shapes(h: int, q: int, kv: int, inter: int, vocab: int) -> list[tuple[int, int, str]]:
+    """(N, K, out dtype) of qkv, o_proj, gate_up, down, lm_head."""
+    return [(q + 2 * kv, h, "bf16"), (h, q, "bf16"), (2 * inter, h, "bf16"), (h, inter, "bf16"),
+            (vocab, h, "f32")]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_compiles_every_linear_layer(model: str) -> None:
+    for n, k, out in linear_shapes(*MODELS[model]):
+        launcher = G.compile_gemm(n, k, out)
+        assert [t for t, _ in launcher.cfg.skinny] == [16, 64]
+        assert len(launcher.compiled()) == 3
+        assert launcher.path(1) == "skinny16" and launcher.path(16) == "skinny16"
+        assert launcher.path(17) == "skinny64" and launcher.path(128) == "skinny64"
+        assert launcher.path(129) == "tiled" and launcher.path(8192) == "tiled"
+        assert G.compile_gemm(n, k, out) is launcher  # cached on the key
+
+
+@pytest.mark.parametrize("tile_t,split_k", [(8, 1), (32, 2), (128, 8), (256, 2)])
+def test_compiles_other_skinny_configs(tile_t: int, split_k: int) -> None:
+    """Token tiles and split factors the lead may tune to (one CTA per SM at 128 and 256)."""
+    launcher = G.compile_gemm(4096, 1024, "bf16", crossover=tile_t, skinny_tiles=(tile_t,),
+                              split_k=split_k)
+    assert launcher.cfg.skinny == ((tile_t, split_k),)
+    assert launcher.path(tile_t) == f"skinny{tile_t}" and launcher.path(tile_t + 1) == "tiled"
+
+
+def test_compiles_tiled_only_and_tile_n() -> None:
+    launcher = G.compile_gemm(960, 576, "bf16", crossover=0, tile_n=256)
+    assert launcher.path(1) == "tiled" and launcher.cfg.skinny == ()
+    assert len(launcher.compiled()) == 1
+
+
+def _ptx(kernel) -> str:
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutlass_kernels._common import fake_ptr, fake_stream
+
+    f = cute.compile(kernel, fake_ptr("bf16"), fake_ptr("bf16"),
+                     fake_ptr("f32" if kernel.c_dtype is cutlass.Float32 else "bf16"),
+                     cutlass.Int32(1), fake_stream(), options="--keep-ptx")
+    return f.__ptx__
+
+
+def test_ptx_has_hopper_instructions(tmp_path, monkeypatch) -> None:
+    import cutlass
+
+    from cutlass_kernels.gemm_skinny import GemmSkinnySm90
+    from cutlass_kernels.gemm_sm90 import GemmSm90
+
+    monkeypatch.chdir(tmp_path)  # --keep-ptx also writes a .ptx file into the working directory
+    tiled = _ptx(GemmSm90(4096, 4096, cutlass.BFloat16, tile_n=256))
+    assert ".target sm_90a" in tiled
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in tiled
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in tiled  # TMA loads
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in tiled  # TMA store epilogue
+    assert "stmatrix" in tiled
+    assert not re.search(r"\b(ld|st)\.local", tiled)
+
+    skinny = _ptx(GemmSkinnySm90(4096, 4096, cutlass.BFloat16, tile_t=16, split_k=4))
+    assert ".target sm_90a" in skinny
+    assert "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16" in skinny
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in skinny
+    assert "ld.shared::cluster.v4" in skinny and "mapa.shared::cluster" in skinny
+    assert skinny.count("barrier.cluster.arrive") == 2
+    assert not re.search(r"\b(ld|st)\.local", skinny)
+
+
+def test_no_register_spills(tmp_path, monkeypatch) -> None:
+    """Assemble the PTX with a local ptxas (when there is one) and require zero spills."""
+    import shutil
+    import subprocess
+
+    import cutlass
+
+    from cutlass_kernels.gemm_skinny import GemmSkinnySm90
+    from cutlass_kernels.gemm_sm90 import GemmSm90
+
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas on PATH")
+    monkeypatch.chdir(tmp_path)
+    kernels = [GemmSm90(4096, 4096, cutlass.BFloat16, tile_n=256),
+               GemmSm90(4096, 4096, cutlass.Float32, tile_n=128),
+               GemmSkinnySm90(4096, 4096, cutlass.BFloat16, tile_t=64, split_k=4),
+               GemmSkinnySm90(4096, 4096, cutlass.Float32, tile_t=256, split_k=2)]
+    for i, kernel in enumerate(kernels):
+        src = tmp_path / f"k{i}.ptx"
+        # The DSL's bundled toolchain may emit a newer PTX ISA than the local ptxas knows; the
+        # instructions used here exist in ISA 9.0 (CUDA 13.0).
+        src.write_text(re.sub(r"^\.version \S+", ".version 9.0", _ptx(kernel), flags=re.M))
+        res = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(src), "-o", str(tmp_path / "k.o")],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"local ptxas cannot assemble the PTX: {res.stderr.strip()[:200]}")
+        assert "0 bytes spill stores, 0 bytes spill loads" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("tile_n,out", [(256, "bf16"), (256, "f32"), (128, "bf16"),
+                                        (128, "f32")])
+def test_epilogue_register_order_matches_accumulator(tile_n: int, out: str) -> None:
+    """The epilogue copies accumulator values by flat index: sub-tile e takes values
+    [e*n, (e+1)*n) of the retiled accumulator as the r2s copy's n source values. Check on the
+    layouts that both name the same output element, for every value of a set of threads that
+    covers each lane of a quad, both halves of a warp, every warp and warpgroup."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutlass_kernels.gemm_sm90 import GemmSm90, make_epilogue_r2s
+
+    g = GemmSm90(4096, 4096, G.OUT_DTYPES[out], tile_n=tile_n)
+    found: list[tuple[int, int, int, int]] = []
+
+    @cute.jit
+    def trace():
+        tiled_mma = g.make_tiled_mma()
+        tiled_r2s = make_epilogue_r2s(tiled_mma, g.c_dtype)
+        coords = cute.make_identity_tensor((g.tile_mnk[0], g.tile_mnk[1]))
+        epi_coords = cute.make_identity_tensor(g.epi_tile)
+        epi_grid = (g.tile_mnk[0] // g.epi_tile[0], g.tile_mnk[1] // g.epi_tile[1])
+        epi_order = cute.make_layout(epi_grid, stride=(epi_grid[1], 1))
+        for t in THREADS[:g.threads // 128 * 22]:
+            acc = tiled_r2s.retile(tiled_mma.get_slice(t).partition_C(coords))
+            src = tiled_r2s.get_slice(t).partition_S(epi_coords)
+            n = cute.size(src)
+            for e in cutlass.range_constexpr(cute.size(epi_order)):
+                me, ne = epi_order.get_hier_coord(e)
+                for v in cutlass.range_constexpr(n):
+                    a, s = acc[e * n + v], src[v]
+                    found.append((int(a[0]), int(a[1]), me * g.epi_tile[0] + int(s[0]),
+                                  ne * g.epi_tile[1] + int(s[1])))
+
+    trace()
+    per_thread = g.tile_mnk[0] * g.tile_mnk[1] // g.threads
+    assert len(found) == per_thread * len(THREADS[:g.threads // 128 * 22])
+    bad = [f for f in found if f[:2] != f[2:]]
+    assert not bad, f"{len(bad)} mismatches, e.g. {bad[:4]}"
+    assert len({f[:2] for f in found}) == len(found)  # no element twice
+
+
+def test_split_k_choice() -> None:
+    assert G.choose_split_k(4096, 4096, 16) == 4  # 64 slabs x 4 = 256 CTAs ~ 2 per SM
+    assert G.choose_split_k(24576, 4096, 16) == 2  # 384 slabs: 1.45 waves -> 2.9
+    assert G.choose_split_k(151936, 1024, 16) == 1  # lm_head: 2374 slabs
+    assert G.choose_split_k(1024, 2048, 16) == 8  # small N: cluster of 8
+    assert G.choose_split_k(512, 128, 16) == 2  # never more splits than K tiles
+    for n, k, _ in linear_shapes(*MODELS["qwen3-8b"]):
+        assert 1 <= G.choose_split_k(n, k, 16) <= 8
+
+
+@pytest.mark.parametrize("n,k,out,match", [
+    (1001, 1024, "bf16", "N=1001"), (0, 1024, "bf16", "N=0"), (1024, 1000, "bf16", "K=1000"),
+    (1024, 32, "bf16", "K=32"), (1024, 1024, "f16", "out_dtype"),
+])
+def test_rejects_unsupported_shapes(n: int, k: int, out: str, match: str) -> None:
+    with pytest.raises(G.GemmShapeError, match=match):
+        G.compile_gemm(n, k, out)
+
+
+def test_rejects_bad_options() -> None:
+    with pytest.raises(G.GemmShapeError, match="split_k"):
+        G.compile_gemm(1024, 128, split_k=4)  # K = 128 has 2 tiles
+    with pytest.raises(G.GemmShapeError, match="skinny tile"):
+        G.compile_gemm(1024, 128, skinny_tiles=(12,))
+    with pytest.raises(G.GemmShapeError, match="tile_n"):
+        G.compile_gemm(1024, 128, tile_n=64)
+
+
+def test_launcher_checks_arguments() -> None:
+    launcher = G.compile_gemm(128, 256, "bf16")
+    launcher(0, 0, 0, 0, None)  # M = 0: nothing to do, nothing launched
+    with pytest.raises(KernelArgError, match="aligned"):
+        launcher(0x1008, 0x2000, 0x3000, 4, None)
+    with pytest.raises(KernelArgError, match="m must be"):
+        launcher(0x1000, 0x2000, 0x3000, 4.0, None)
+    with pytest.raises(KernelArgError, match="m must be"):
+        launcher(0x1000, 0x2000, 0x3000, -1, None)
