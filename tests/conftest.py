@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import os
 
-import numpy as np
-import pytest
+# The DSL reads CUTE_DSL_ARCH when cutlass is first imported: on a CPU-only machine it would
+# silently target sm_100. Every kernel here is for Hopper.
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 GOLDENS = Path(__file__).parent / "goldens"
 
