@@ -22,10 +22,10 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
     http,
-    kv_idle,
     make_engine,
     running_server,
     wait_for,
+    wait_idle,
     write_test_checkpoint,
 )
 
@@ -242,7 +242,7 @@ def test_disconnect_aborts_and_frees_pages(server: OpenAIServer) -> None:
             assert wait_for(lambda: server.async_engine.snapshot()["running"] == 1)
         conn.sock.shutdown(2)
         conn.close()
-        assert wait_for(lambda: kv_idle(server), timeout=20)
+        assert wait_idle(server, timeout=20)
     assert aborted() == before + 2
 
 

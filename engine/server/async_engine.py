@@ -182,7 +182,8 @@ class AsyncEngine:
         return True, "ok"
 
     def snapshot(self) -> dict[str, Any]:
-        """Engine gauges as of the last step (published by the engine thread; read-only)."""
+        """Engine gauges as of ``snapshot()["at"]`` (``time.monotonic()``), published by the
+        engine thread after a step (at most every ``snapshot_interval_s``) and when idle."""
         return self._snapshot
 
     def num_in_flight(self) -> int:
@@ -302,7 +303,7 @@ class AsyncEngine:
         sched = eng.scheduler
         st = eng.stats
         self._snapshot = {
-            "running": len(sched.running), "waiting": len(sched.waiting),
+            "at": now, "running": len(sched.running), "waiting": len(sched.waiting),
             "num_preemptions": sched.num_preemptions, "kv": eng.block_manager.gauges(),
             "kv_stats": eng.block_manager.stats(), "steps": st.steps,
             "eager_steps": st.eager_steps, "graph_steps": st.graph_steps,

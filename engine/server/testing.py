@@ -80,8 +80,16 @@ def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> bool:
     return bool(pred())
 
 
-def kv_idle(server: OpenAIServer) -> bool:
-    """No request holds a KV page and the engine has nothing to do."""
+def kv_idle(server: OpenAIServer, since: float = 0.0) -> bool:
+    """No request holds a KV page and the engine has nothing to do, per a snapshot taken after
+    ``since`` (``time.monotonic()``)."""
     s = server.async_engine.snapshot()
-    return (s.get("running") == 0 and s.get("waiting") == 0 and s["kv"]["in_use"] == 0
-            and server.async_engine.num_in_flight() == 0)
+    return (s["at"] >= since and s["running"] == 0 and s["waiting"] == 0
+            and s["kv"]["in_use"] == 0 and server.async_engine.num_in_flight() == 0)
+
+
+def wait_idle(server: OpenAIServer, timeout: float = 20.0) -> bool:
+    """Wait for kv_idle on a snapshot fresher than the call (a stale one could predate work
+    still in flight, such as an abort not yet processed)."""
+    since = time.monotonic()
+    return wait_for(lambda: kv_idle(server, since), timeout)
