@@ -114,4 +114,15 @@ def build_app(engine: AsyncEngine, served_model_name: str,
             return Response("metrics are disabled\n", status_code=404)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict[str, Any]:
+        # Bad input is answered 400 (OpenAI's convention), never FastAPI's default 422.
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            for ops in schema.get("paths", {}).values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
