@@ -44,14 +44,37 @@ class Sizes:
                    max(min(MAX_LOGIT_ROWS, t), b), ec.max_model_len)
 
 
-def activation_bytes(mc: ModelConfig, s: Sizes, workspace: int) -> int:
-    t, h = s.t_max, mc.hidden_size
-    bf = 2 * t * (3 * h + mc.qkv_size + 2 * mc.q_size + 3 * mc.intermediate_size)
-    ints = 4 * (3 * t + 4 * s.b_max + s.b_max * (s.pages_per_seq + 1) + 2 * s.logit_rows) + 8 * t
-    sampling = 4 * s.logit_rows * (8 + 2 * 32)
-    logits = 4 * s.logit_rows * mc.vocab_size
-    rope = 4 * s.max_pos * mc.head_dim
-    return bf + ints + sampling + logits + rope + workspace + 64 * 256
+class _Placeholder:
+    """What a CountingArena hands out: a size, no memory; uploads do nothing."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes, self.ptr = nbytes, 0
+
+    def upload(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def fill_bytes(self, *args: object, **kwargs: object) -> None:
+        pass
+
+
+class CountingArena:
+    """The Arena's arithmetic (256-byte alignment) without device memory: sizes a plan."""
+
+    ALIGN = 256
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def alloc(self, shape: tuple[int, ...] | int, dtype: object, name: str = "") -> _Placeholder:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        self.used = -(-self.used // self.ALIGN) * self.ALIGN + n
+        return _Placeholder(n)
+
+
+class _NoStream:
+    def synchronize(self) -> None:
+        pass
 
 
 def weight_bytes(mc: ModelConfig) -> int:
@@ -62,25 +85,38 @@ def kv_bytes_per_page(mc: ModelConfig, page_size: int) -> int:
     return 2 * mc.num_hidden_layers * mc.num_key_value_heads * page_size * mc.head_dim * 2
 
 
+def fixed_bytes(mc: ModelConfig, s: Sizes, workspace: int) -> int:
+    """Weights plus every activation and step buffer, exactly as the arena will lay them out."""
+    from engine.model.spec import expected_tensors
+
+    arena = CountingArena()
+    for spec in expected_tensors(mc).values():  # fused QKV / gate_up take the same bytes
+        arena.alloc(spec.shape, BF16)
+    StepBuffers(mc, s, arena, workspace, _NoStream())  # type: ignore[arg-type]
+    return arena.used + 2 * arena.ALIGN * (mc.num_hidden_layers + 1)
+
+
 def plan_num_pages(mc: ModelConfig, ec: EngineConfig, free: int, total: int,
                    workspace: int) -> tuple[int, int]:
     """(num_pages, arena bytes). Raises CudaError naming the numbers when nothing fits."""
     s = Sizes.of(mc, ec)
-    fixed = weight_bytes(mc) + activation_bytes(mc, s, workspace)
-    per_page = kv_bytes_per_page(mc, ec.block_size)
+    fixed = fixed_bytes(mc, s, workspace)
+    per_page = kv_bytes_per_page(mc, ec.block_size) // (2 * mc.num_hidden_layers)
+    kv_arrays = 2 * mc.num_hidden_layers
     if ec.num_gpu_blocks_override is not None:
         n = ec.num_gpu_blocks_override
     else:
         used_by_others = total - free
         budget = int(total * ec.gpu_memory_utilization) - used_by_others - GRAPH_RESERVE
-        n = (budget - fixed) // per_page
+        n = (budget - fixed - kv_arrays * 256) // (per_page * kv_arrays)
         if n < 2:
             raise CudaError(
                 f"no room for the KV cache: {total / 2**30:.1f} GiB x gpu_memory_utilization "
                 f"{ec.gpu_memory_utilization} leaves {budget / 2**30:.2f} GiB, weights and "
                 f"buffers take {fixed / 2**30:.2f} GiB; raise gpu_memory_utilization or lower "
                 "max_num_batched_tokens / max_num_seqs")
-    return n, fixed + n * per_page + 16 * 256
+    kv = kv_arrays * (-(-(n * per_page) // 256) * 256)
+    return n, fixed + kv
 
 
 class DeviceWeights:
