@@ -228,6 +228,12 @@ class Allocation:
             check(_cu().cuMemFree(self.ptr), "cuMemFree")
             self.ptr = 0
 
+    def __del__(self) -> None:  # buffers of tests and tools come and go
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown, or a context already gone
+            pass
+
 
 def device_array(shape: tuple[int, ...] | int, dtype: Any) -> DeviceBuffer:
     """A standalone device allocation shaped like a numpy array (tests and tools)."""
