@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# One GPU-host call: stage check, the GPU test suite (kernels, backend, golden gate), and a short
-# decode benchmark beside the PyTorch peer. Logs and JSON go to $OUT when set (else ./gpu_out).
-#   bash tools/gpu_tests.sh                  # everything
-#   TESTS="tests/gpu/test_kernels_gemm.py" BENCH=0 bash tools/gpu_tests.sh
+# One GPU-host call: stage check, the GPU test suite (kernels, backend, graphs, golden gate) in
+# parallel processes (a sticky CUDA error or a hang stays in its own group), then a short decode
+# benchmark beside the PyTorch peer. Logs and JSON go to $OUT when set (else ./gpu_out); the
+# device tool returns at most 8 files, so the group logs are concatenated into tests.log.
+#   bash tools/gpu_tests.sh
+#   GROUPS="gemm attention" BENCH=0 bash tools/gpu_tests.sh
 #   BENCH_PRESETS="qwen3-0.6b qwen3-8b" BENCH_BATCHES=1,8,64 bash tools/gpu_tests.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"; export OUT
+LOGS=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 if [ -f .gpu/stage.sh ] || [ -f /tmp/site/.ok ]; then
-  bash .gpu/stage.sh 2>/dev/null || bash -c '[ -f /tmp/site/.ok ]' || { echo "stage failed"; exit 3; }
+  { [ -f .gpu/stage.sh ] && bash .gpu/stage.sh >/dev/null; } || [ -f /tmp/site/.ok ] \
+    || { echo "CuTe DSL bundle not staged"; exit 3; }
   export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-# wheels carried in .whl (e.g. gguf) and the SmolLM2 GGUF reassembled from parts in /tmp
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried along (gguf for the default model)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
 if ls /tmp/smol.part.* >/dev/null 2>&1 && [ ! -f /tmp/smol.gguf ]; then
@@ -21,22 +24,40 @@ if ls /tmp/smol.part.* >/dev/null 2>&1 && [ ! -f /tmp/smol.gguf ]; then
 fi
 [ -f /tmp/smol.gguf ] && export CUTEINFER_SMOLLM2_GGUF=/tmp/smol.gguf
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --format=csv \
-  | tee "$OUT/gpu.txt"
-date -u +%FT%TZ >> "$OUT/gpu.txt"
-rc=0
-TESTS=${TESTS:-tests/gpu}
-if [ "$TESTS" != "none" ]; then
-  python3 -m pytest -q -x -p no:cacheprovider $TESTS -rs 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
-  rc=${PIPESTATUS[0]}
-fi
+  > "$OUT/gpu.txt"; date -u +%FT%TZ >> "$OUT/gpu.txt"
+declare -A G=(
+  [gemm]="tests/gpu/test_kernels_gemm.py"
+  [attention]="tests/gpu/test_kernels_attention.py"
+  [embedding]="tests/gpu/test_kernels_pointwise.py -k embedding"
+  [rmsnorm]="tests/gpu/test_kernels_pointwise.py -k rmsnorm"
+  [rope]="tests/gpu/test_kernels_pointwise.py -k rope"
+  [silu]="tests/gpu/test_kernels_pointwise.py -k silu"
+  [sampler]="tests/gpu/test_kernels_pointwise.py -k sampler"
+  [logprobs]="tests/gpu/test_kernels_pointwise.py -k logprob"
+  [backend]="tests/gpu/test_cuda_backend.py tests/gpu/test_smoke.py"
+  [graphs]="tests/gpu/test_graphs.py"
+  [gate]="tests/gpu/test_golden_gate.py"
+)
+GROUPS=${GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate"}
+for g in $GROUPS; do
+  args=${G[$g]}
+  ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \
+      --timeout="${TEST_TIMEOUT:-150}" --timeout-method=thread -rs $args > "$LOGS/$g.log" 2>&1
+    echo "$g rc=$?" >> "$LOGS/rc.txt" ) &
+done
+wait
+{ for g in $GROUPS; do echo "=================== $g"; cat "$LOGS/$g.log"; done; } > "$OUT/tests.log"
+echo "--- groups"; cat "$LOGS/rc.txt"
+echo "--- summaries"; for g in $GROUPS; do printf "%-11s " "$g"; grep -E "^(=+ )?[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$LOGS/$g.log" | tail -1; done
+echo "--- failures"; grep -hE "^(FAILED|ERROR) " "$LOGS"/*.log | cut -c1-220 | head -40
 if [ "${BENCH:-1}" = "1" ]; then
   for p in ${BENCH_PRESETS:-qwen3-0.6b}; do
-    python3 -m tools.bench_decode --preset "$p" --batch "${BENCH_BATCHES:-1,8,64}" \
-      --ctx "${BENCH_CTX:-1024}" --out "$OUT/bench_$p.json" 2>&1 | tail -8
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m tools.bench_decode --preset "$p" \
+      --batch "${BENCH_BATCHES:-1,8,64}" --ctx "${BENCH_CTX:-1024}" \
+      --out "$OUT/bench_$p.json" 2>&1 | grep -v Warning | tail -6
     if [ -f .gpu/peer/peer_torch_decode.py ]; then
-      BSS=${BENCH_BATCHES:-1,8,64} CTXS=${BENCH_CTX:-1024} \
-        python3 .gpu/peer/peer_torch_decode.py "$p" 2>&1 | tail -5
+      BSS=${BENCH_BATCHES:-1,8,64} CTXS=${BENCH_CTX:-1024} timeout 300 \
+        python3 .gpu/peer/peer_torch_decode.py "$p" 2>&1 | tail -4
     fi
   done
 fi
-exit $rc
