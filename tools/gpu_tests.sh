@@ -4,7 +4,7 @@
 # benchmark beside the PyTorch peer. Logs and JSON go to $OUT when set (else ./gpu_out); the
 # device tool returns at most 8 files, so the group logs are concatenated into tests.log.
 #   bash tools/gpu_tests.sh
-#   GROUPS="gemm attention" BENCH=0 bash tools/gpu_tests.sh
+#   TEST_GROUPS="gemm attention" BENCH=0 bash tools/gpu_tests.sh
 #   BENCH_PRESETS="qwen3-0.6b qwen3-8b" BENCH_BATCHES=1,8,64 bash tools/gpu_tests.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,17 +38,17 @@ declare -A G=(
   [graphs]="tests/gpu/test_graphs.py"
   [gate]="tests/gpu/test_golden_gate.py"
 )
-GROUPS=${GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate"}
-for g in $GROUPS; do
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate"}
+for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \
       --timeout="${TEST_TIMEOUT:-150}" --timeout-method=thread -rs $args > "$LOGS/$g.log" 2>&1
     echo "$g rc=$?" >> "$LOGS/rc.txt" ) &
 done
 wait
-{ for g in $GROUPS; do echo "=================== $g"; cat "$LOGS/$g.log"; done; } > "$OUT/tests.log"
+{ for g in $TEST_GROUPS; do echo "=================== $g"; cat "$LOGS/$g.log"; done; } > "$OUT/tests.log"
 echo "--- groups"; cat "$LOGS/rc.txt"
-echo "--- summaries"; for g in $GROUPS; do printf "%-11s " "$g"; grep -E "^(=+ )?[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$LOGS/$g.log" | tail -1; done
+echo "--- summaries"; for g in $TEST_GROUPS; do printf "%-11s " "$g"; grep -E "^(=+ )?[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)" "$LOGS/$g.log" | tail -1; done
 echo "--- failures"; grep -hE "^(FAILED|ERROR) " "$LOGS"/*.log | cut -c1-220 | head -40
 if [ "${BENCH:-1}" = "1" ]; then
   for p in ${BENCH_PRESETS:-qwen3-0.6b}; do
