@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -244,3 +245,34 @@ def test_dead_engine_loop_gives_503_and_nonzero_exit(model_dir: Path, tmp_path: 
         _, err = proc.communicate()
     assert code == 1, err
     assert "engine loop died" in err and "injected scheduler bug" in err
+
+
+def test_cli_serve_starts_and_stops_cleanly(model_dir: Path) -> None:
+    """`cuteinfer serve` itself: serves, and exits 0 on SIGTERM (a supervisor's normal stop)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir), "--backend",
+         "numpy", "--port", str(port), "--max-model-len", "128", "--log-level", "warning"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        def up() -> bool:
+            try:
+                return http("GET", f"{url}/health", timeout=2)[0] == 200
+            except OSError:
+                return proc.poll() is not None
+        assert wait_for(up, timeout=60, interval=0.2) and proc.poll() is None
+        status, body = http("GET", f"{url}/v1/models")
+        assert status == 200 and body["data"][0]["id"] == model_dir.name
+        assert body["data"][0]["max_model_len"] == 128
+        status, body = http("POST", f"{url}/v1/completions",
+                            {"model": model_dir.name, "prompt": [5, 6], "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    assert code == 0, err

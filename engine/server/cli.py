@@ -12,8 +12,11 @@ import argparse
 import logging
 import sys
 import time
+from pathlib import Path
 
 from engine.commands.generate import add_engine_arguments, engine_options
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -21,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the checkpoint directory name)")
+                   help="the model name clients send (default: the checkpoint directory name, "
+                   f"or {DEFAULT_MODEL_NAME} for the embedded default)")
     p.add_argument("--engine-step-timeout", type=float, default=120.0, metavar="S",
                    help="declare the engine dead after S seconds without progress while "
                    "requests are in flight (default 120)")
@@ -45,7 +49,9 @@ def run(a: argparse.Namespace) -> int:
           f"{eng.backend}, max_model_len {eng.config.max_model_len}, "
           f"{eng.block_manager.num_pages} KV pages, loaded in {time.perf_counter() - t0:.1f}s",
           file=sys.stderr)
-    server = OpenAIServer(eng, host=a.host, port=a.port, served_model_name=a.served_model_name,
+    # vLLM serves the model under the name it was given; the embedded default has a real name
+    name = a.served_model_name or (Path(a.model).name if a.model else DEFAULT_MODEL_NAME)
+    server = OpenAIServer(eng, host=a.host, port=a.port, served_model_name=name,
                           step_timeout_s=a.engine_step_timeout,
                           shutdown_grace_s=a.shutdown_grace, log_level=a.log_level,
                           access_log=a.access_log)

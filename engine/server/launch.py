@@ -11,6 +11,7 @@ instead (tests, embedding).
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 
@@ -63,13 +64,22 @@ class OpenAIServer:
     def run(self) -> int:
         """Serve until shut down; returns the exit code (1 if the engine died)."""
         self.async_engine.start()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn handles SIGINT / SIGTERM, then re-raises them to the handlers it found:
+            # these make that a normal stop (exit 0), not a KeyboardInterrupt or death by signal.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.signal(sig, self._stop_on_signal)
         try:
             self.uvicorn.run()
-        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled: a normal stop
-            pass
         finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self.async_engine.shutdown()
         return self.exit_code()
+
+    def _stop_on_signal(self, sig: int, frame: object) -> None:
+        self.uvicorn.should_exit = True
 
     # -- background thread -----------------------------------------------------------------------
     def start(self, timeout: float = 30.0) -> str:
