@@ -155,6 +155,9 @@ def test_seed_and_sampling_extras(client: openai.OpenAI) -> None:
     assert a.usage.completion_tokens == 8
     c = client.completions.create(**{**args, "seed": 4321})
     assert c.usage.completion_tokens == 8
+    # top_k beyond the vocabulary keeps every token (it once overflowed the step's int32 batch)
+    d = client.completions.create(**{**args, "extra_body": {"top_k": 2**40, "ignore_eos": True}})
+    assert d.usage.completion_tokens == 8
 
 
 def test_stop_string(client: openai.OpenAI) -> None:

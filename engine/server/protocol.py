@@ -102,13 +102,17 @@ class _SamplingBody(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        vocab_size: int) -> SamplingParams:
+        top_k = self.top_k or 0
+        if top_k >= vocab_size:  # keeps every token: the same as off (and fits the int32 batch)
+            top_k = 0
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
+                top_k=top_k, min_p=self.min_p or 0.0, seed=self.seed,
                 stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens is not False,

@@ -44,6 +44,7 @@ class OpenAIServing:
         self.model_name = served_model_name
         self.tokenizer = engine.engine.tokenizer  # encode / templates are thread-safe reads
         self.max_model_len: int = engine.engine.config.max_model_len or 0
+        self.vocab_size = engine.engine.model_config.vocab_size
 
     # -- shared checks ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -88,7 +89,7 @@ class OpenAIServing:
         if not ids:
             raise bad_request("the prompt is empty: it must have at least one token", "prompt")
         self.check_length(len(ids), body.max_tokens, "max_tokens")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.max_tokens, body.logprobs, self.vocab_size)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._start(ids, params, rid)
         head = {"id": rid, "object": "text_completion", "created": int(time.time()),
@@ -151,7 +152,7 @@ class OpenAIServing:
         limit = body.output_limit()
         self.check_length(len(ids), limit, "max_completion_tokens"
                           if body.max_completion_tokens is not None else "max_tokens")
-        params = body.sampling_params(limit, body.num_logprobs())
+        params = body.sampling_params(limit, body.num_logprobs(), self.vocab_size)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._start(ids, params, rid)
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()),
