@@ -23,7 +23,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.engine import LLMEngine
@@ -52,6 +52,12 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative
     num_cached_tokens: int = 0
+
+    def merge(self, later: StreamDelta) -> StreamDelta:
+        """This delta followed by ``later``, as one."""
+        lps = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return replace(later, text=self.text + later.text,
+                       token_ids=self.token_ids + later.token_ids, logprobs=lps)
 
 
 _ACCEPTED = object()
@@ -90,6 +96,14 @@ class RequestStream:
                 raise StopAsyncIteration
             if isinstance(item, StreamDelta):  # (skips the exception meant for _wait_accepted)
                 break
+        # A consumer that fell behind the engine gets what piled up as one delta: one chunk to
+        # render and send instead of several (the engine thread keeps the GIL more of the time).
+        while not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if nxt is None:
+                raise StopAsyncIteration
+            if isinstance(nxt, StreamDelta):
+                item = item.merge(nxt)
         if item.finished:
             self.finished = True
         return item
