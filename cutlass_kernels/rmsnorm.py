@@ -69,8 +69,10 @@ class RMSNorm:
         xv = rX.load()
         ss = (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
+        # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
+        wid = cute.arch.warp_idx()
         if cute.arch.lane_idx() == 0:
-            sSum[cute.arch.warp_idx()] = ss
+            sSum[wid] = ss
         cute.arch.sync_threads()
         total = sSum[0]
         for k in cutlass.range_constexpr(1, self.nwarps):

@@ -89,9 +89,11 @@ def _block_argmax(v: Float32, i: Int32, sF: cute.Tensor, sI: cute.Tensor, nwarps
         take = _better(ov, oi, v, i)
         v = ov if take else v
         i = oi if take else i
+    # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
+    wid = cute.arch.warp_idx()
     if cute.arch.lane_idx() == 0:
-        sF[cute.arch.warp_idx()] = v
-        sI[cute.arch.warp_idx()] = i
+        sF[wid] = v
+        sI[wid] = i
     cute.arch.sync_threads()
     v = sF[0]
     i = sI[0]
@@ -392,9 +394,11 @@ class LogProbs:
             nm = cute.arch.fmax(m, om)
             s = s * cute.math.exp(m - nm) + os_ * cute.math.exp(om - nm)
             m = nm
+        # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
+        wid = cute.arch.warp_idx()
         if cute.arch.lane_idx() == 0:
-            sF[cute.arch.warp_idx()] = m
-            sG[cute.arch.warp_idx()] = s
+            sF[wid] = m
+            sG[wid] = s
         cute.arch.sync_threads()
         m = sF[0]
         s = sG[0]
@@ -434,8 +438,10 @@ class LogProbs:
                             rV[j - 1] = a if sw else b
                             rI[j - 1] = ai if sw else bi
         above = cute.arch.warp_reduction(above, lambda a, b: a + b)
+        # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
+        wid = cute.arch.warp_idx()
         if cute.arch.lane_idx() == 0:
-            sI[cute.arch.warp_idx()] = above
+            sI[wid] = above
         cute.arch.sync_threads()
         total = sI[0]
         for w in cutlass.range_constexpr(1, self.nwarps):

@@ -132,7 +132,10 @@ def dump_dot(ex: Any, bucket: int, path: str | Path) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (tools/make_checkpoint)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint directory")
+    src.add_argument("--preset", help="random weights in memory at a tools/make_checkpoint "
+                     "preset's shape (e.g. qwen3-8b): no files written")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--ctx", type=int, default=512, help="context length of every sequence")
@@ -147,18 +150,29 @@ def run(a: argparse.Namespace) -> int:
     from engine.executor.cuda_executor import CudaExecutor
     from engine.model.loader import load_checkpoint
 
-    mc = ModelConfig.from_pretrained(a.model)
+    if a.model:
+        mc = ModelConfig.from_pretrained(a.model)
+        ckpt = load_checkpoint(a.model, mc)
+        name = Path(a.model).name
+    else:
+        from engine.model.loader import Checkpoint
+        from tools.make_checkpoint import hf_config, make_weights
+
+        mc = ModelConfig.from_dict(hf_config(a.preset))
+        ckpt = Checkpoint(Path(a.preset), mc, make_weights(mc, seed=0, threads=16))
+        name = a.preset
     buckets = [int(x) for x in a.buckets.split(",")] if a.buckets else None
-    ec = EngineConfig(model=a.model, backend="cuda", max_num_seqs=a.max_num_seqs,
+    ec = EngineConfig(model=name, backend="cuda", max_num_seqs=a.max_num_seqs,
                       max_model_len=a.max_model_len, lazy_graph_capture=True,
                       num_gpu_blocks_override=a.max_num_seqs * -(-a.max_model_len // 16) + 8
                       ).resolve(mc)
-    ex = CudaExecutor(load_checkpoint(a.model, mc), ec)
+    ex = CudaExecutor(ckpt, ec)
+    del ckpt
     rows = profile_graphs(ex, a.iters, a.ctx, buckets)
     print(table(rows))
-    meta = {"model": str(a.model), "gpu": ex.ctx.name, "ctx": a.ctx, "iters": a.iters}
+    meta = {"model": name, "gpu": ex.ctx.name, "ctx": a.ctx, "iters": a.iters}
     Path(f"{a.out}.json").write_text(json.dumps({"meta": meta, "buckets": rows}, indent=1))
-    if plot(rows, f"{a.out}.png", f"{Path(a.model).name} on {ex.ctx.name}, ctx {a.ctx}"):
+    if plot(rows, f"{a.out}.png", f"{name} on {ex.ctx.name}, ctx {a.ctx}"):
         print(f"wrote {a.out}.json and {a.out}.png", file=sys.stderr)
     if a.dot is not None:
         dump_dot(ex, a.dot, f"{a.out}_b{a.dot}.dot")

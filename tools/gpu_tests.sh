@@ -61,3 +61,12 @@ if [ "${BENCH:-1}" = "1" ]; then
     fi
   done
 fi
+for p in ${PROFILE_PRESETS:-}; do
+  timeout "${PROFILE_TIMEOUT:-240}" python3 -m engine.cli profile-graphs --preset "$p" \
+    --max-num-seqs "${PROFILE_MAX_SEQS:-256}" --max-model-len 2048 --ctx 512 \
+    --iters "${PROFILE_ITERS:-50}" ${PROFILE_BUCKETS:+--buckets $PROFILE_BUCKETS} \
+    --out "$OUT/graph_profile_$p" 2>&1 | grep -v Warning | tail -14
+done
+# at most 8 files come back: pack the JSON and PNG results into one archive
+( cd "$OUT" && ls *.json *.png *.jsonl 2>/dev/null | xargs -r tar czf results.tgz \
+  && ls *.json *.png *.jsonl 2>/dev/null | xargs -r rm -f )

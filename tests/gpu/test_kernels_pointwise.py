@@ -68,6 +68,18 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint16)
 
 
+def _assert_within_ulp(got, want, ulps: int, what: str) -> None:
+    """bf16 values within ``ulps`` units in the last place (same sign; NaN never passes)."""
+    g = _bits(np.asarray(got, BF16)).astype(np.int32)
+    w = _bits(np.asarray(want, BF16)).astype(np.int32)
+    assert not np.isnan(np.asarray(got, np.float32)).any(), f"{what}: NaN (not written)"
+    # map sign-magnitude bf16 bits to a monotone integer line
+    g = np.where(g & 0x8000, 0x8000 - (g & 0x7FFF), 0x8000 + g)
+    w = np.where(w & 0x8000, 0x8000 - (w & 0x7FFF), 0x8000 + w)
+    d = np.abs(g - w)
+    assert d.max(initial=0) <= ulps, f"{what}: {int((d > ulps).sum())} elements > {ulps} ulp"
+
+
 # ---- embedding --------------------------------------------------------------------------------
 
 
@@ -194,11 +206,11 @@ def test_rope_kv_matches_reference(cuda_ctx, stream, seed, shape, tokens):
         _assert_bf16_close(got_q, want_q, "rope_kv", f"{what}: q")
         _assert_bf16_close(got_k[written], want_k[written].astype(np.float32), "rope_kv",
                            f"{what}: k")
-    else:  # bf16 products and sums only: bit-exact
-        np.testing.assert_array_equal(_bits(got_q), _bits(want_q.astype(BF16)),
-                                      err_msg=f"{what}: q")
-        np.testing.assert_array_equal(_bits(got_k)[written], _bits(want_k)[written],
-                                      err_msg=f"{what}: k")
+    else:  # bf16 products and sums only: within one bf16 ulp of HF's op-by-op rounding
+        # (measured on the H200: ~18% of elements differ by exactly 1 ulp, as ptxas contracts
+        # a bf16 product into the following add; never more)
+        _assert_within_ulp(got_q, want_q.astype(BF16), 1, f"{what}: q")
+        _assert_within_ulp(got_k[written], want_k[written], 1, f"{what}: k")
 
 
 # ---- sampler and logprobs ---------------------------------------------------------------------
