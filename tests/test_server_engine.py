@@ -11,7 +11,8 @@ import pytest
 
 from engine.engine import RequestError
 from engine.sampling_params import SamplingParams
-from engine.server.async_engine import AsyncEngine, EngineDeadError, StreamDelta
+from engine.server.async_engine import AsyncEngine
+from engine.server.stream import EngineDeadError, StreamDelta
 from engine.server.testing import make_engine, wait_for, write_test_checkpoint
 
 

@@ -23,98 +23,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from engine.engine import LLMEngine
-from engine.request import LogprobDict, Request
+from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.server.stream import ACCEPTED, EngineDeadError, RequestStream, StreamDelta
 
 log = logging.getLogger("cuteinfer.server")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop is dead, stalled or shutting down: no request can be served."""
-
-
-@dataclass
-class StreamDelta:
-    """What one step added to a request: new text and tokens, and how it ended (if it did)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[LogprobDict] | None
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    error: str | None = None
-    fatal: bool = False  # the engine died under the request (HTTP 503 rather than 500)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # cumulative
-    num_cached_tokens: int = 0
-
-    def merge(self, later: StreamDelta) -> StreamDelta:
-        """This delta followed by ``later``, as one."""
-        lps = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return replace(later, text=self.text + later.text,
-                       token_ids=self.token_ids + later.token_ids, logprobs=lps)
-
-
-_ACCEPTED = object()
-
-
-class RequestStream:
-    """The asyncio side of one request: its deltas in order, the last one ``finished``."""
-
-    def __init__(self, request_id: str, owner: AsyncEngine,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.finished = False
-        self.aborted = False
-        self._owner = owner
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-
-    def _put(self, item: Any) -> None:  # on the event loop
-        self._queue.put_nowait(item)
-
-    async def _wait_accepted(self) -> None:
-        item = await self._queue.get()
-        if item is not _ACCEPTED:  # the exception that refused it (or killed the engine)
-            self.finished = True
-            raise item
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self.finished:
-            raise StopAsyncIteration
-        while True:
-            item = await self._queue.get()
-            if item is None:  # aborted by abort()
-                raise StopAsyncIteration
-            if isinstance(item, StreamDelta):  # (skips the exception meant for _wait_accepted)
-                break
-        # A consumer that fell behind the engine gets what piled up as one delta: one chunk to
-        # render and send instead of several (the engine thread keeps the GIL more of the time).
-        while not item.finished and not self._queue.empty():
-            nxt = self._queue.get_nowait()
-            if nxt is None:
-                raise StopAsyncIteration
-            if isinstance(nxt, StreamDelta):
-                item = item.merge(nxt)
-        if item.finished:
-            self.finished = True
-        return item
-
-    def abort(self) -> None:
-        """Stop the request (client gone); wakes a pending ``__anext__``. No-op when finished."""
-        if self.finished:
-            return
-        self.finished = self.aborted = True
-        self._owner.abort(self.request_id)
-        self._queue.put_nowait(None)
 
 
 @dataclass
@@ -217,7 +134,7 @@ class AsyncEngine:
             self._streams[request_id] = stream
             self._commands.put(("add", stream, list(prompt_token_ids), params))
         try:
-            await stream._wait_accepted()
+            await stream.wait_accepted()
         except asyncio.CancelledError:
             stream.abort()
             raise
@@ -277,7 +194,7 @@ class AsyncEngine:
             posts.append((stream, e))
             return
         self._tracked[req.request_id] = _Tracked(stream, req)
-        posts.append((stream, _ACCEPTED))
+        posts.append((stream, ACCEPTED))
 
     def _do_abort(self, request_id: str) -> None:
         t = self._tracked.pop(request_id, None)
@@ -375,4 +292,4 @@ def _deliver(posts: list[tuple[RequestStream, Any]]) -> None:
 
 def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
     for s, item in items:
-        s._put(item)
+        s.push(item)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.request import Logprob, LogprobDict
-from engine.server.async_engine import StreamDelta
+from engine.server.stream import StreamDelta
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON; clients expect a number (vLLM's convention)
 

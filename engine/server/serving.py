@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.engine import RequestError
 from engine.request import LogprobDict
 from engine.sampling_params import SamplingParams, SamplingParamsError
-from engine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream, StreamDelta
+from engine.server.async_engine import AsyncEngine
 from engine.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -34,6 +34,7 @@ from engine.server.render import (
     sse,
     usage,
 )
+from engine.server.stream import EngineDeadError, RequestStream, StreamDelta
 
 DONE = b"data: [DONE]\n\n"
 
