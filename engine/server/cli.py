@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 from engine.commands.generate import add_engine_arguments, engine_options
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.server.launch import OpenAIServer  # fastapi / uvicorn: the `server` extra
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -38,10 +41,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-    from engine.engine import LLMEngine
-    from engine.server.launch import OpenAIServer
-
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     eng = LLMEngine(EngineConfig.from_kwargs(model=a.model, **engine_options(a)))
