@@ -46,7 +46,7 @@ from cutlass import Float32, Float64, Int32, Uint32, Uint64
 
 NBINS = 2048  # 11-bit radix digits: shifts 21, 10, 0 (the last digit overlaps one fixed bit)
 MASS_ONE = 2.0**40  # fixed-point scale of exp(d) <= 1: a row's total mass stays below 2^58
-G_MAX = 18.0  # > max Gumbel -log(-log(1 - 2^-25)) = 17.33: z + G_MAX bounds any score
+G_MAX = 18.0  # > max Gumbel -log(-log(1 - 2^-24)) = 16.6: z + G_MAX bounds any score
 INT_MAX = 0x7FFFFFFF
 _M1, _M2, _GOLDEN, _SALT = 0x7FEB352D, 0x846CA68B, 0x9E3779B9, 0x632BE5AB
 
@@ -331,7 +331,7 @@ class Sampler:
                 # a score is at most z + G_MAX: skip the hash when it cannot beat this thread's best
                 if kept & (z + Float32(G_MAX) > bs):
                     h = _mix32(rk ^ _mix32(Uint32(idx) + Uint32(_SALT)))
-                    u = (Float32(h >> Uint32(8)) + Float32(0.5)) * Float32(2.0**-24)
+                    u = (Float32(h >> Uint32(9)) + Float32(0.5)) * Float32(2.0**-23)
                     s = z + (-cute.math.log(-cute.math.log(u)))
                     if s > bs:
                         bs = s

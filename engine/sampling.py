@@ -39,13 +39,19 @@ def row_key(seed: int | np.ndarray, step: int | np.ndarray) -> np.ndarray:
 
 
 def uniform(seed: int, step: int, vocab_size: int) -> np.ndarray:
-    """float32 uniforms in (0, 1) for token ids 0..V-1: ``((mix32(k ^ mix32(v + SALT)) >> 8)
-    + 0.5) * 2^-24``. Exact in float32; the GPU computes the same bits."""
+    """float32 uniforms in (0, 1) for token ids 0..V-1: ``((mix32(k ^ mix32(v + SALT)) >> 9)
+    + 0.5) * 2^-23``, exact in float32 and never 0 or 1 (with ``>> 8`` and 2^-24 the top value
+    rounded to 1.0: an infinite Gumbel score in ~1 draw of 100 at a 150k vocab). The GPU computes
+    the same bits."""
     k = row_key(seed, step)
     with np.errstate(over="ignore"):
         v = np.arange(vocab_size, dtype=np.uint32) + _SALT
-    x = mix32(k ^ mix32(v))
-    return ((x >> np.uint32(8)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+    return bits_to_uniform(mix32(k ^ mix32(v)))
+
+
+def bits_to_uniform(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.uint32)
+    return ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
 
 
 def gumbel(seed: int, step: int, vocab_size: int) -> np.ndarray:

@@ -51,7 +51,7 @@ class SamplingParams:
                 or self.temperature < 0:
             raise SamplingParamsError("temperature",
                                       f"must be a finite number >= 0, got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or not -1 <= self.top_k < 2**31:
             raise SamplingParamsError("top_k", f"must be an integer >= 0 (0 or -1 = off), got "
                                       f"{self.top_k!r}")
         if self.top_k == -1:

@@ -40,6 +40,14 @@ def test_mix32_known_values():
     assert mix32(xs).tolist() == [ref(int(x)) for x in xs]
 
 
+def test_uniform_is_never_0_or_1():
+    from engine.sampling import bits_to_uniform
+
+    ends = bits_to_uniform(np.array([0, 511, 512, 0xFFFFFDFF, 0xFFFFFFFF], np.uint32))
+    assert ends[0] > 0 and ends[-1] < 1 and np.isfinite(-np.log(-np.log(ends))).all()
+    assert ends[0] == ends[1] < ends[2] and ends[3] < ends[4]
+
+
 def test_uniform_range_and_independence():
     u = uniform(seed=7, step=3, vocab_size=200_000)
     assert u.dtype == np.float32 and (u > 0).all() and (u < 1).all()

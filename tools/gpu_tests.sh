@@ -19,7 +19,7 @@ fi
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried along (gguf for the default model)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-if ls /tmp/smol.part.* >/dev/null 2>&1 && [ ! -f /tmp/smol.gguf ]; then
+if [ "$(ls /tmp/smol.part.* 2>/dev/null | wc -l)" = 3 ]; then  # all three parts arrived
   cat /tmp/smol.part.* > /tmp/smol.gguf
 fi
 [ -f /tmp/smol.gguf ] && export CUTEINFER_SMOLLM2_GGUF=/tmp/smol.gguf
@@ -67,6 +67,22 @@ for p in ${PROFILE_PRESETS:-}; do
     --iters "${PROFILE_ITERS:-50}" ${PROFILE_BUCKETS:+--buckets $PROFILE_BUCKETS} \
     --out "$OUT/graph_profile_$p" 2>&1 | grep -v Warning | tail -14
 done
+if [ "${SERVE_BENCH:-0}" = "1" ]; then  # the OpenAI server on a qwen3-8b-shaped checkpoint
+  python3 -m tools.make_checkpoint --preset "${SERVE_PRESET:-qwen3-8b}" --out /tmp/serve_ckpt \
+    --max-shard-size 8
+  python3 -m engine.cli serve --model /tmp/serve_ckpt --backend cuda --max-num-seqs 64 \
+    --max-model-len 1024 --port 8321 > "$OUT/serve.log" 2>&1 &
+  spid=$!
+  for i in $(seq 1 150); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8321/health')" 2>/dev/null && break; sleep 1
+  done
+  timeout "${SERVE_BENCH_TIMEOUT:-200}" python3 -m tools.bench_serving \
+    --base-url http://127.0.0.1:8321 --random-input-len 128 --random-output-len 256 \
+    --num-prompts "${SERVE_PROMPTS:-320}" --max-concurrency 64 --ignore-eos \
+    --vocab-range 0 150000 --out "$OUT/serve_bench.json" 2>&1 | tail -22
+  kill -INT $spid; wait $spid
+  tail -5 "$OUT/serve.log"
+fi
 # at most 8 files come back: pack the JSON and PNG results into one archive
 ( cd "$OUT" && ls *.json *.png *.jsonl 2>/dev/null | xargs -r tar czf results.tgz \
   && ls *.json *.png *.jsonl 2>/dev/null | xargs -r rm -f )

@@ -51,6 +51,8 @@ def _dev(a: np.ndarray):
 def _assert_bf16_close(got, want, key: str, what: str) -> None:
     got = np.asarray(got, np.float32)
     want = np.asarray(want, np.float32)
+    if got.size == 0:  # e.g. no slot written (every slot < 0)
+        return
     nan = np.isnan(got)
     assert not nan.any(), f"{what}: {int(nan.sum())} of {got.size} elements not written (NaN)"
     t = TOL[key]
@@ -66,18 +68,6 @@ def _assert_bf16_close(got, want, key: str, what: str) -> None:
 
 def _bits(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint16)
-
-
-def _assert_within_ulp(got, want, ulps: int, what: str) -> None:
-    """bf16 values within ``ulps`` units in the last place (same sign; NaN never passes)."""
-    g = _bits(np.asarray(got, BF16)).astype(np.int32)
-    w = _bits(np.asarray(want, BF16)).astype(np.int32)
-    assert not np.isnan(np.asarray(got, np.float32)).any(), f"{what}: NaN (not written)"
-    # map sign-magnitude bf16 bits to a monotone integer line
-    g = np.where(g & 0x8000, 0x8000 - (g & 0x7FFF), 0x8000 + g)
-    w = np.where(w & 0x8000, 0x8000 - (w & 0x7FFF), 0x8000 + w)
-    d = np.abs(g - w)
-    assert d.max(initial=0) <= ulps, f"{what}: {int((d > ulps).sum())} elements > {ulps} ulp"
 
 
 # ---- embedding --------------------------------------------------------------------------------
@@ -202,15 +192,12 @@ def test_rope_kv_matches_reference(cuda_ctx, stream, seed, shape, tokens):
                                       err_msg=f"{what}: {name} cache changed outside the slots")
     np.testing.assert_array_equal(_bits(got_v)[written], _bits(want_v)[written],
                                   err_msg=f"{what}: v")
-    if qk:
-        _assert_bf16_close(got_q, want_q, "rope_kv", f"{what}: q")
-        _assert_bf16_close(got_k[written], want_k[written].astype(np.float32), "rope_kv",
-                           f"{what}: k")
-    else:  # bf16 products and sums only: within one bf16 ulp of HF's op-by-op rounding
-        # (measured on the H200: ~18% of elements differ by exactly 1 ulp, as ptxas contracts
-        # a bf16 product into the following add; never more)
-        _assert_within_ulp(got_q, want_q.astype(BF16), 1, f"{what}: q")
-        _assert_within_ulp(got_k[written], want_k[written], 1, f"{what}: k")
+    # Not bit-exact even without qk-norm: on the H200 ptxas contracts a bf16 product into the
+    # following add (fma), so ~18% of elements differ from HF's op-by-op rounding by 1 ulp, and
+    # by many ulps where x1*c and x2*s nearly cancel. The tolerance is absolute + relative.
+    _assert_bf16_close(got_q, want_q, "rope_kv", f"{what}: q")
+    _assert_bf16_close(got_k[written], want_k[written].astype(np.float32), "rope_kv",
+                       f"{what}: k")
 
 
 # ---- sampler and logprobs ---------------------------------------------------------------------
