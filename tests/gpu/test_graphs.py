@@ -36,7 +36,10 @@ def test_replay_bit_identical_to_eager_padded(model_dir):
                       lazy_graph_capture=True).resolve(mc)
     ex = CudaExecutor(load_checkpoint(model_dir, mc), ec, verbose=False)
     buf = ex.buf
-    for b in (1, 3, 5, 9, 17, 33, 100):
+    # every bucket exactly, and padded batches (3 -> 4, 5 -> 8, 9 -> 16, 17 -> 24, 33 -> 40,
+    # 100 -> 104)
+    sizes = sorted(set(ex.graphs.buckets) | {3, 5, 9, 17, 33, 100})
+    for b in sizes:
         batch = make_batch(b, 300, 16, ex.num_pages, mc.vocab_size, seed=b)
         batch.temperature[:] = 0.8  # sampled rows: the sampler runs inside the graph too
         batch.seeds[:] = np.arange(b) + 1000
@@ -58,7 +61,7 @@ def test_replay_bit_identical_to_eager_padded(model_dir):
         ex.stream.synchronize()
         assert np.array_equal(eager_logits.view(np.uint32), g_logits.view(np.uint32)), b
         assert np.array_equal(eager_tok, g_tok), b
-    _report({"test": "graph_replay_bit_identical", "batches": [1, 3, 5, 9, 17, 33, 100]})
+    _report({"test": "graph_replay_bit_identical", "batches": sizes})
 
 
 def _workload(n, rng, vocab):
