@@ -4,6 +4,7 @@ refusals after death."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -83,10 +84,23 @@ def test_dead_engine_refuses_and_fails_in_flight(engine: AsyncEngine) -> None:
     def boom() -> None:
         raise RuntimeError("loop bug")
 
+    # Hold the engine's second step until the loop bug is planted, so the request cannot finish
+    # first on a slow or loaded machine (it did once, under a parallel CI run).
+    planted = threading.Event()
+    steps = {"n": 0}
+
+    def hold(plan: object) -> None:
+        steps["n"] += 1
+        if steps["n"] >= 2:
+            planted.wait(10)
+
+    engine.engine.fault_hook = hold
+
     async def run() -> StreamDelta:
         stream = await engine.add([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), "d")
         await stream.__anext__()
         engine.engine.step = boom  # type: ignore[method-assign]
+        planted.set()
         last = None
         async for d in stream:
             last = d
