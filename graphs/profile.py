@@ -32,7 +32,7 @@ def _short(name: str) -> str:
 def profile_graphs(ex: Any, iters: int = 200, ctx: int = 512,
                    buckets: list[int] | None = None) -> list[dict]:
     """Profile every bucket of ``ex`` (a CudaExecutor) at context length ``ctx``."""
-    from engine.cuda.driver import Event
+    from engine.cuda.driver import time_ms
     from graphs.runner import GraphRunner
     from tools.bench_decode import make_batch
 
@@ -40,7 +40,6 @@ def profile_graphs(ex: Any, iters: int = 200, ctx: int = 512,
     if buckets:
         runner.buckets = sorted(buckets)
     rows = []
-    e0, e1 = Event(), Event()
     for bk in sorted(runner.buckets, reverse=True):
         g = runner.graphs.get(bk) or runner.capture(bk)
         batch = make_batch(bk, min(ctx, ex.sizes.max_pos - 1), ex.page_size, ex.num_pages,
@@ -48,20 +47,9 @@ def profile_graphs(ex: Any, iters: int = 200, ctx: int = 512,
         ex.upload(batch)
         ex.upload_sampling(batch)
 
-        def timed(fn) -> np.ndarray:
-            for _ in range(5):
-                fn()
-            ts = []
-            for _ in range(iters):
-                e0.record(ex.stream)
-                fn()
-                e1.record(ex.stream)
-                e1.synchronize()
-                ts.append(e0.elapsed_ms(e1))
-            return np.array(ts)
-
-        rep = timed(lambda bk=bk: runner.launch(bk))
-        eag = timed(lambda bk=bk, s=g.num_splits: ex.decode_body(bk, s))
+        rep = time_ms(ex.stream, lambda bk=bk: runner.launch(bk), iters, warmup=5)
+        eag = time_ms(ex.stream, lambda bk=bk, s=g.num_splits: ex.decode_body(bk, s), iters,
+                      warmup=5)
         by_name = Counter(_short(n) for n in g.kernel_names)
         r = dict(bucket=bk, nodes=len(g.kernel_names), nodes_by_kernel=dict(by_name),
                  capture_ms=round(g.capture_s * 1e3, 2), graph_mem_bytes=g.mem_bytes,

@@ -43,7 +43,7 @@ def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int, see
 
 def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -> list[dict]:
     from engine.config import EngineConfig, ModelConfig
-    from engine.cuda.driver import Event
+    from engine.cuda.driver import time_ms
     from engine.executor.cuda_executor import CudaExecutor
     from engine.model.loader import Checkpoint
     from tools.make_checkpoint import hf_config, make_weights
@@ -70,7 +70,6 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
         except ImportError:
             runner = None
     rows = []
-    e0, e1 = Event(), Event()
     for b in batches:
         batch = make_batch(b, ctx, 16, ex.num_pages, mc.vocab_size)
         ex.upload(batch)
@@ -81,15 +80,7 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
             ex.decode_body(b, splits)  # forward + logits + sampling, as a graph captures it
 
         def timed(fn) -> tuple[float, float]:
-            for _ in range(3):
-                fn()
-            ts = []
-            for _ in range(iters):
-                e0.record(ex.stream)
-                fn()
-                e1.record(ex.stream)
-                e1.synchronize()
-                ts.append(e0.elapsed_ms(e1))
+            ts = time_ms(ex.stream, fn, iters)
             return float(np.median(ts)), float(np.percentile(ts, 99))
 
         eager_ms, eager_p99 = timed(eager)

@@ -133,6 +133,22 @@ class Event:
                            "cuEventElapsedTime"))
 
 
+def time_ms(stream: Stream, fn: Any, iters: int, warmup: int = 3) -> np.ndarray:
+    """Device time of ``fn()`` (work it enqueues on ``stream``), ms per call, one sample per
+    call, measured with CUDA events after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    e0, e1 = Event(), Event()
+    ts = np.empty(iters)
+    for i in range(iters):
+        e0.record(stream)
+        fn()
+        e1.record(stream)
+        e1.synchronize()
+        ts[i] = e0.elapsed_ms(e1)
+    return ts
+
+
 _NP_OF = {"bf16": None, "f32": np.float32, "i32": np.int32, "i64": np.int64, "u32": np.uint32,
           "u64": np.uint64, "f16": np.float16, "u8": np.uint8}
 
