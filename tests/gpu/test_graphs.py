@@ -31,13 +31,14 @@ def _report(rec):
 
 def test_replay_bit_identical_to_eager_padded(model_dir):
     mc = ModelConfig.from_pretrained(model_dir)
-    ec = EngineConfig(model=str(model_dir), backend="cuda", max_num_seqs=128,
-                      max_model_len=1024, num_gpu_blocks_override=128 * 20 + 8,
+    ec = EngineConfig(model=str(model_dir), backend="cuda", max_num_seqs=256,
+                      max_model_len=1024, num_gpu_blocks_override=256 * 20 + 8,
                       lazy_graph_capture=True).resolve(mc)
     ex = CudaExecutor(load_checkpoint(model_dir, mc), ec, verbose=False)
     buf = ex.buf
-    # every bucket exactly, and padded batches (3 -> 4, 5 -> 8, 9 -> 16, 17 -> 24, 33 -> 40,
-    # 100 -> 104)
+    # every bucket of the default list (1, 2, 4, 8, 16, ..., 256) exactly, and padded batches
+    # (3 -> 4, 5 -> 8, 9 -> 16, 17 -> 24, 33 -> 40, 100 -> 104)
+    assert ex.graphs.buckets[-1] == 256 and len(ex.graphs.buckets) == 35
     sizes = sorted(set(ex.graphs.buckets) | {3, 5, 9, 17, 33, 100})
     for b in sizes:
         batch = make_batch(b, 300, 16, ex.num_pages, mc.vocab_size, seed=b)
