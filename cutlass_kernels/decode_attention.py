@@ -154,6 +154,7 @@ class DecodeAttention:
                mPT: cute.Tensor, mCtx: cute.Tensor, mO: cute.Tensor, mWo: cute.Tensor,
                mWml: cute.Tensor, num_splits: cutlass.Int32, scale_log2: cutlass.Float32,
                copy_atom: cute.CopyAtom, SharedStorage: cutlass.Constexpr):
+        cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         G, ch, rows, ps, hd = self.group, self.chunks, self.rows, self.ps, self.hd
         f32 = cutlass.Float32
         neg_inf = -cutlass.Float32.inf
@@ -305,6 +306,7 @@ class DecodeAttention:
     @cute.kernel
     def combine_kernel(self, mWo: cute.Tensor, mWml: cute.Tensor, mO: cute.Tensor,
                        units: cutlass.Int32, num_splits: cutlass.Int32):
+        cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         f32 = cutlass.Float32
         neg_inf = -cutlass.Float32.inf
         tidx, _, _ = cute.arch.thread_idx()

@@ -52,6 +52,7 @@ class Embedding:
 
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mTable: cute.Tensor, mOut: cute.Tensor, num_rows: Int32):
+        cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
         src = mIds[t]

@@ -27,7 +27,9 @@ SMs), so there it can neither pull W at HBM speed nor use the tensor cores of id
 skinny path always spreads W over ~1-2 waves (64-row slabs x split-K; the token tiles of a slab
 run side by side and share W through L2) and its wgmma work stays below the W stream while the
 arithmetic intensity M FLOP/byte is under H200's ~200 FLOP/byte ridge. Default crossover 128,
-token tiles 16 (decode batch <= 16) and 64 (two tiles for M = 65..128).
+token tiles 16 (decode batch <= 16), 32 and 64 (two tiles for M = 65..128). The 32 tile was
+measured in (tools/tune_skinny.py): at M = 32 the 64 tile ran 1.1-1.4x slower than the 32 tile
+(qwen3-8b gate_up 74 vs 52 us), slower even than the 64 tile at M = 64.
 """
 
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ import cutlass_kernels._common as common  # sets CUTE_DSL_ARCH before cutlass lo
 import cutlass
 import cutlass.cute as cute
 
-from cutlass_kernels.gemm_skinny import SLAB, GemmSkinnySm90, skinny_plan
+from cutlass_kernels.gemm_skinny import SLAB, GemmSkinnySm90
 from cutlass_kernels.gemm_sm90 import BK, GemmSm90
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
@@ -50,23 +52,22 @@ class GemmShapeError(ValueError):
     """compile_gemm got a shape or option this GEMM does not support; the message says why."""
 
 
-def choose_split_k(n: int, k: int, tile_t: int, num_sms: int = H200_SMS) -> int:
-    """Split-K factor (cluster size, <= 8) for the skinny path, for one token tile.
+def choose_split_k(n: int, k: int, num_sms: int = H200_SMS) -> int:
+    """Split-K factor (cluster size, <= 8) for the skinny path.
 
-    Cost model: W-tile rounds on the busiest CTA slot = waves * k_tiles_per_split, where
-    waves = ceil(slabs * s / slots). Smallest s wins ties (less reduction work).
+    The fewest splits whose CTAs (slabs x split) cover 90% of the SMs, at most the K tiles.
+    Measured on the H200 (tools/tune_skinny.py, docs/perf.md): about one CTA per SM streams W
+    fastest; more splits (two CTAs per SM, shorter K ranges) only add fixed and reduction cost,
+    fewer leave SMs idle. Over the decode shapes of Qwen3 0.6B-8B at token tiles 16/32/64 this
+    rule is within 0.5% of the best split per shape (worst case 11%: qwen3-0.6b gate_up).
     """
     slabs = (n + SLAB - 1) // SLAB
     k_tiles = (k + BK - 1) // BK
-    slots = num_sms * skinny_plan(tile_t)[1]
-    best, best_cost = 1, None
-    for s in (1, 2, 4, 8):
-        if s > k_tiles:
-            break
-        cost = -(-slabs * s // slots) * -(-k_tiles // s)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = s, cost
-    return best
+    want = -(-9 * num_sms // 10)
+    split = 1
+    while split < 8 and 2 * split <= k_tiles and slabs * split < want:
+        split *= 2
+    return split
 
 
 def choose_tile_n(n: int) -> int:
@@ -83,6 +84,7 @@ class GemmConfig:
     crossover: int
     skinny: tuple[tuple[int, int], ...]  # (tile_t, split_k), ascending tile_t
     tile_n: int
+    pdl: bool = False
 
 
 class GemmLauncher:
@@ -161,8 +163,9 @@ def _check(n: int, k: int, out_dtype: str, crossover: int, skinny_tiles: tuple[i
 
 
 def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 128,
-                 skinny_tiles: tuple[int, ...] = (16, 64), split_k: int | None = None,
-                 tile_n: int | None = None, num_sms: int = H200_SMS) -> GemmLauncher:
+                 skinny_tiles: tuple[int, ...] = (16, 32, 64), split_k: int | None = None,
+                 tile_n: int | None = None, num_sms: int = H200_SMS,
+                 pdl: bool = False) -> GemmLauncher:
     """Compile (once per key) the kernels for ``C[M, n] = A[M, k] @ W[n, k]^T``.
 
     crossover: largest M served by the skinny (decode) path; 0 disables it.
@@ -170,6 +173,8 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
         crossover are compiled). split_k: force the skinny split-K factor (1..8; default from
         ``choose_split_k``). tile_n: tiled-path CTA width (default ``choose_tile_n``).
     num_sms: SM count the split-K heuristic plans for.
+    pdl: launch the skinny kernels with programmatic dependent launch, prefetching W while the
+        previous kernel finishes (gemm_skinny.py); same results.
     """
     tile_n = choose_tile_n(n) if tile_n is None else tile_n
     tiles = tuple(sorted(set(skinny_tiles)))
@@ -180,8 +185,8 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
             needed.append(t)
     if split_k is not None and (split_k not in (1, 2, 4, 8) or split_k > k // BK):
         raise GemmShapeError(f"split_k={split_k}: must be 1, 2, 4 or 8 and <= K/64 = {k // BK}")
-    skinny = tuple((t, split_k or choose_split_k(n, k, t, num_sms)) for t in needed)
-    cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n)
+    skinny = tuple((t, split_k or choose_split_k(n, k, num_sms)) for t in needed)
+    cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n, bool(pdl))
     return common.cached_compile(("gemm", cfg), lambda: _build(cfg))
 
 
@@ -189,7 +194,7 @@ def _build(cfg: GemmConfig) -> GemmLauncher:
     c_dtype = OUT_DTYPES[cfg.out_dtype]
     args = (common.fake_ptr("bf16"), common.fake_ptr("bf16"), common.fake_ptr(cfg.out_dtype),
             cutlass.Int32(1), common.fake_stream())
-    skinny = [(t, cute.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s), *args))
+    skinny = [(t, cute.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl), *args))
               for t, s in cfg.skinny]
     tiled = cute.compile(GemmSm90(cfg.n, cfg.k, c_dtype, tile_n=cfg.tile_n), *args)
     return GemmLauncher(cfg, skinny, tiled)

@@ -15,6 +15,14 @@ barrier each CTA sums 1/``split_k`` of the tile over all peers' shared memory (D
 order (deterministic), converts, and writes coalesced rows of C; a second cluster barrier keeps
 every CTA alive until its peers have read it.
 
+Programmatic dependent launch (``pdl=True``): the kernel is launched with the PDL attribute, so
+it may start while the previous kernel of the stream still runs (once that kernel's CTAs have
+executed ``griddepcontrol.launch_dependents``, which the engine's RMSNorm, SiLU-mul, attention and
+row-gather kernels do first thing). Its CTAs then fill the pipeline with W (a weight: nothing in
+the stream writes it) before ``griddepcontrol.wait``; the activation tiles, the reduction and every
+global write come after the wait, which returns once the previous grid has completed and its
+writes are visible. The math, and so the result, is the same bits as without PDL.
+
 Layout: A ``[M, K]``, W ``[N, K]``, C ``[M, N]`` row-major. Grid ``(split_k, ceil(M/tile_t),
 ceil(N/64))``, cluster ``(split_k, 1, 1)``, 128 threads. M > tile_t works: the token tiles of one
 slab are adjacent in launch order, so they run together and W comes from DRAM about once.
@@ -62,7 +70,7 @@ class GemmSkinnySm90:
     """Decode GEMM. Compile-time: N, K, output dtype, token tile, split-K factor."""
 
     def __init__(self, n: int, k: int, c_dtype: type[cutlass.Numeric], tile_t: int = 16,
-                 split_k: int = 1):
+                 split_k: int = 1, pdl: bool = False):
         if tile_t % 8 or not 8 <= tile_t <= 256:
             raise ValueError(f"tile_t must be a multiple of 8 in [8, 256], got {tile_t}")
         k_tiles = (k + BK - 1) // BK
@@ -74,6 +82,7 @@ class GemmSkinnySm90:
         self.c_dtype = c_dtype
         self.tile_t = tile_t
         self.split_k = split_k
+        self.pdl = pdl
         self.tile_mnk = (SLAB, tile_t, BK)  # wgmma (M, N, K) = (W rows, tokens, K)
         self.k_tiles = k_tiles
         self.k_per_split = (k_tiles + split_k - 1) // split_k
@@ -122,7 +131,7 @@ class GemmSkinnySm90:
         cluster = [self.split_k, 1, 1] if self.split_k > 1 else None
         self.kernel(tma_w, tma_mW, tma_x, tma_mX, mC4, tiled_mma, sW_layout, sX_layout, m).launch(
             grid=[self.split_k, t_tiles, (n + SLAB - 1) // SLAB], block=[self.threads, 1, 1],
-            cluster=cluster, smem=SharedStorage.size_in_bytes(), stream=stream)
+            cluster=cluster, smem=SharedStorage.size_in_bytes(), stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
@@ -166,7 +175,7 @@ class GemmSkinnySm90:
         k_begin = split * self.k_per_split
         k_count = cutlass.max(cutlass.min(self.k_per_split, self.k_tiles - k_begin), 0)
         tma_wgmma_mainloop(ab_pipeline, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, tiled_mma, tCrW,
-                           tCrX, acc, k_begin, k_count, self.stages, warp_idx == 0)
+                           tCrX, acc, k_begin, k_count, self.stages, warp_idx == 0, self.pdl)
 
         tCsP.store(acc.load())
         if cutlass.const_expr(self.split_k > 1):

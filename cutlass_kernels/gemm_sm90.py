@@ -48,6 +48,7 @@ def tma_wgmma_mainloop(
     k_count: cutlass.Int32,
     stages: cutlass.Constexpr,
     is_producer: cutlass.Boolean,
+    a_before_grid_wait: cutlass.Constexpr = False,
 ):
     """acc = sum over K tiles [k_begin, k_begin + k_count) of A_tile @ B_tile^T (k_count may be 0).
 
@@ -55,19 +56,42 @@ def tma_wgmma_mainloop(
     tiles, then refills the slot that the consumers released in the same iteration (the release
     of tile kt-1 happens once ``wait_group(1)`` proves its wgmma retired). Every loaded tile is
     consumed, so no TMA write is in flight when this returns and the smem may be reused.
+
+    ``a_before_grid_wait`` (kernels launched with programmatic dependent launch, where A is a
+    weight no kernel writes): the prefetch of A's first ``stages`` tiles is issued before
+    ``griddepcontrol.wait``, i.e. while the previous kernel in the stream may still run; B's tiles
+    and everything after wait for it. Every thread executes the wait (their later global
+    writes depend on it too).
     """
     acc.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
     prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    if is_producer:
-        for _ in cutlass.range(cutlass.min(stages, k_count), unroll=1):
-            ab_pipeline.producer_acquire(prod)
-            bar = ab_pipeline.producer_get_barrier(prod)
-            cute.copy(tma_atom_a, tAgA[(None, k_begin + prod.count)], tAsA[(None, prod.index)],
-                      tma_bar_ptr=bar)
-            cute.copy(tma_atom_b, tBgB[(None, k_begin + prod.count)], tBsB[(None, prod.index)],
-                      tma_bar_ptr=bar)
-            prod.advance()
+    if cutlass.const_expr(a_before_grid_wait):
+        if is_producer:
+            for _ in cutlass.range(cutlass.min(stages, k_count), unroll=1):
+                ab_pipeline.producer_acquire(prod)  # expects A + B bytes on this stage
+                cute.copy(tma_atom_a, tAgA[(None, k_begin + prod.count)],
+                          tAsA[(None, prod.index)],
+                          tma_bar_ptr=ab_pipeline.producer_get_barrier(prod))
+                prod.advance()
+        cute.arch.griddepcontrol_wait()
+        if is_producer:
+            pre = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+            for _ in cutlass.range(cutlass.min(stages, k_count), unroll=1):
+                cute.copy(tma_atom_b, tBgB[(None, k_begin + pre.count)],
+                          tBsB[(None, pre.index)],
+                          tma_bar_ptr=ab_pipeline.producer_get_barrier(pre))
+                pre.advance()
+    else:
+        if is_producer:
+            for _ in cutlass.range(cutlass.min(stages, k_count), unroll=1):
+                ab_pipeline.producer_acquire(prod)
+                bar = ab_pipeline.producer_get_barrier(prod)
+                cute.copy(tma_atom_a, tAgA[(None, k_begin + prod.count)],
+                          tAsA[(None, prod.index)], tma_bar_ptr=bar)
+                cute.copy(tma_atom_b, tBgB[(None, k_begin + prod.count)],
+                          tBsB[(None, prod.index)], tma_bar_ptr=bar)
+                prod.advance()
 
     read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)
     release = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, stages)

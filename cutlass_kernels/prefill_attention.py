@@ -112,6 +112,7 @@ class PrefillAttention:
                scale_log2: cutlass.Float32, sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, g2s: cute.TiledCopy, s2g: cute.TiledCopy,
                tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr):
+        cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         bf16 = cutlass.BFloat16
         f32 = cutlass.Float32
         hd, tm, tn = self.hd, self.tm, self.tn

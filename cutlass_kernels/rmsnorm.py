@@ -50,6 +50,7 @@ class RMSNorm:
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR: cute.Tensor, mW: cute.Tensor, mO: cute.Tensor,
                eps: Float32):
+        cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         smem = cutlass.memory.SmemAllocator()

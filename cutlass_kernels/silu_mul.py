@@ -44,6 +44,7 @@ class SiluMul:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mO: cute.Tensor):
+        cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         tidx, _, _ = cute.arch.thread_idx()
         row, cta, _ = cute.arch.block_idx()
         base = cta * (self.threads * self.nv) + tidx

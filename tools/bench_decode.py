@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import envs
+
 BW = 4.28e12
 
 
@@ -93,7 +95,8 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
             t_full.append((time.perf_counter() - t1) * 1e3)
         kv = b * ctx * mc.num_hidden_layers * 2 * mc.kv_size * 2
         floor = (wbytes + kv) / BW * 1e3
-        r = dict(model=preset, engine="cuteinfer", bs=b, ctx=ctx, eager_ms=round(eager_ms, 4),
+        r = dict(model=preset, engine="cuteinfer", pdl=envs.pdl_enabled(), bs=b, ctx=ctx,
+                 eager_ms=round(eager_ms, 4),
                  eager_p99_ms=round(eager_p99, 4), step_full_ms=round(float(np.median(t_full)), 4),
                  floor_ms=round(floor, 4), eager_floor_ratio=round(floor / eager_ms, 3),
                  num_splits=splits)

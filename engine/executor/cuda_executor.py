@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.cuda.driver import Arena, Context, Stream
 from engine.executor.base import Executor, ExecutorError, Logprobs, StepBatch, StepOutput
@@ -76,16 +77,17 @@ class CudaExecutor(Executor):
 
         h, nq, nkv, hd = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, \
             mc.head_dim
+        pdl = envs.pdl_enabled()
         k = {
             "embed": compile_embedding(h),
             "norm": compile_rmsnorm(h, False),
             "add_norm": compile_rmsnorm(h, True),
             "rope": compile_rope_kv(nq, nkv, hd, 16, mc.qk_norm),
-            "qkv": compile_gemm(mc.qkv_size, h),
-            "o": compile_gemm(h, mc.q_size),
-            "gate_up": compile_gemm(2 * mc.intermediate_size, h),
-            "down": compile_gemm(h, mc.intermediate_size),
-            "lm_head": compile_gemm(mc.vocab_size, h, "f32"),
+            "qkv": compile_gemm(mc.qkv_size, h, pdl=pdl),
+            "o": compile_gemm(h, mc.q_size, pdl=pdl),
+            "gate_up": compile_gemm(2 * mc.intermediate_size, h, pdl=pdl),
+            "down": compile_gemm(h, mc.intermediate_size, pdl=pdl),
+            "lm_head": compile_gemm(mc.vocab_size, h, "f32", pdl=pdl),
             "silu": compile_silu_mul(mc.intermediate_size),
             "decode": compile_decode_attention(nq, nkv, hd, 16),
             "prefill": compile_prefill_attention(nq, nkv, hd, 16),

@@ -20,8 +20,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NP_OUT = {"bf16": BF16, "f32": np.dtype(np.float32)}
 TOL_OUT = {"bf16": TOL["gemm"]["rtol_norm"], "f32": TOL["logits"]["rtol_norm"]}
 
-# Crossing the skinny tiles (16 | 17), the crossover (128 | 129) and the tiled M tile (128).
-M_VALUES = [1, 2, 3, 7, 8, 15, 16, 17, 31, 64, 100, 128, 129, 1000, 2048]
+# Crossing the skinny tiles (16 | 17, 32 | 33), the crossover (128 | 129) and the tiled M tile.
+M_VALUES = [1, 2, 3, 7, 8, 15, 16, 17, 31, 32, 33, 64, 100, 128, 129, 1000, 2048]
 # (N, K, out): SmolLM2-135M qkv / o_proj / lm_head, qwen3-0.6b qkv / gate_up / down, a test vocab
 SHAPES = [(960, 576, "bf16"), (576, 576, "bf16"), (49152, 576, "f32"), (4096, 1024, "bf16"),
           (6144, 1024, "bf16"), (1024, 3072, "bf16"), (1000, 256, "f32")]
@@ -81,6 +81,41 @@ def test_skinny_split_k(weights, stream, split_k: int, m: int) -> None:
     launcher = compile_gemm(n, k, "bf16", split_k=split_k)
     assert launcher.path(m).startswith("skinny")
     _run_and_check(launcher, w, w_dev, n, k, m, "bf16", stream)
+
+
+@pytest.mark.parametrize("n,k,out", [(4096, 1024, "bf16"), (1024, 3072, "bf16"),
+                                       (49152, 576, "f32")])
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 128])
+def test_pdl_gemm_waits_for_the_kernel_writing_a(weights, stream, n: int, k: int, out: str,
+                                                 m: int) -> None:
+    """pdl=True, as in the engine: A is written by the kernel right before the GEMM (the row
+    gather, which lets dependents launch at its start), so the GEMM's W prefetch overlaps it and
+    only the wait orders the A reads. A starts as NaN poison each round; C must match numpy."""
+    from cutlass_kernels.embedding import compile_embedding
+
+    rng = np.random.default_rng()
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, out, pdl=True)
+    table = _rand_bf16(rng, (300, k))
+    table_dev = to_device(table)
+    gather = compile_embedding(k)
+    a_dev = device_array((m, k), BF16)
+    c_dev = device_array((m + PAD_ROWS, n), NP_OUT[out])
+    for rnd in range(4):
+        ids = rng.integers(0, 300, m).astype(np.int32)
+        ids_dev = to_device(ids)
+        a_dev.fill_bytes(0xFF, stream)
+        c_dev.fill_bytes(0xFF, stream)
+        gather(ids_dev, table_dev, a_dev, 300, m, stream)
+        launcher(a_dev, w_dev, c_dev, m, stream)
+        stream.synchronize()
+        c = c_dev.download()
+        where = f"N={n} K={k} M={m} round={rnd} path={launcher.path(m)}"
+        assert np.isfinite(c[:m].astype(np.float32)).all(), f"read A before it was written: {where}"
+        assert (c[m:].view(np.uint8) == 0xFF).all(), where
+        ref = ref_gemm(table[ids], w)
+        err = np.linalg.norm(c[:m].astype(np.float32) - ref) / np.linalg.norm(ref)
+        assert err < TOL_OUT[out], f"rel err {err:.2e}: {where}"
 
 
 @pytest.mark.parametrize("m", [1, 100, 128, 200, 300])
