@@ -27,6 +27,13 @@ Layout: A ``[M, K]``, W ``[N, K]``, C ``[M, N]`` row-major. Grid ``(split_k, cei
 ceil(N/64))``, cluster ``(split_k, 1, 1)``, 128 threads. M > tile_t works: the token tiles of one
 slab are adjacent in launch order, so they run together and W comes from DRAM about once.
 Offsets into C are Int32: M * N must stay below 2^31 (the launcher only uses this for small M).
+
+``m_load`` (>= M) is the row count of A's TMA view. The launcher passes M rounded up to the token
+tile whenever A's buffer holds those rows: then no TMA box reaches past the view. Rows M..m_load-1
+only feed C columns that are never written (a column of C^T depends on its own row of A alone),
+so their contents, NaN included, cannot leak. Measured on the H200 (docs/perf.md, v3): boxes that
+TMA zero-fills for 32 or more rows stream W up to 1.7x slower (qwen3-8b gate_up at M = 72:
+125.7 us with M-row views, 73.0 us with padded ones).
 """
 
 import cuda.bindings.driver as cuda
@@ -95,9 +102,11 @@ class GemmSkinnySm90:
 
     @cute.jit
     def __call__(self, a: cute.Pointer, w: cute.Pointer, c: cute.Pointer, m: cutlass.Int32,
-                 stream: cuda.CUstream):
+                 m_load: cutlass.Int32, stream: cuda.CUstream):
         n, k = self.n, self.k
-        mA = cute.make_tensor(a, cute.make_layout((m, k), stride=(k, 1)))
+        # A's TMA view has m_load >= m rows (the launcher rounds M up to the token tile when the
+        # buffer holds the rows): rows m..m_load-1 are read, their C columns never written.
+        mA = cute.make_tensor(a, cute.make_layout((m_load, k), stride=(k, 1)))
         mW = cute.make_tensor(w, cute.make_layout((n, k), stride=(k, 1)))
         # C as float4-sized vectors: (4, N/4, M); slices [None, j, t] are 4-element aligned.
         mC4 = cute.make_tensor(c, cute.make_layout((4, n // 4, m), stride=(1, 4, n)))

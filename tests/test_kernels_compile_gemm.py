@@ -73,10 +73,12 @@ def _ptx(kernel) -> str:
     import cutlass.cute as cute
 
     from cutlass_kernels._common import fake_ptr, fake_stream
+    from cutlass_kernels.gemm_sm90 import GemmSm90
 
+    m_load = () if isinstance(kernel, GemmSm90) else (cutlass.Int32(1),)  # skinny: M, M_load
     f = cute.compile(kernel, fake_ptr("bf16"), fake_ptr("bf16"),
                      fake_ptr("f32" if kernel.c_dtype is cutlass.Float32 else "bf16"),
-                     cutlass.Int32(1), fake_stream(), options="--keep-ptx")
+                     cutlass.Int32(1), *m_load, fake_stream(), options="--keep-ptx")
     return f.__ptx__
 
 

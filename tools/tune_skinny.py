@@ -9,8 +9,8 @@ split-K factor (1, 2, 4, 8) is timed two ways, optionally with and without PDL (
 
 GB/s counts the weight bytes plus A and C. Prints a row per run and, per (layer, tile), the split
 with the least graph time summed over that tile's M values beside ``gemm.choose_split_k``'s pick;
-the JSON (``--out``) holds the records and that table (``best_split``: "N,K,tile" -> split), the
-format of cutlass_kernels/tuned_h200.json.
+the JSON (``--out``) holds the records and that table (``best_split``: "N,K,tile,pdl,pad" ->
+split).
 
     python -m tools.tune_skinny --preset qwen3-8b --m 1,16,32,64 --tiles 16,32,64 --out t.json
 """
@@ -65,10 +65,11 @@ def _graph_ms(stream: Stream, body, iters: int) -> float:
 
 
 def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: list[int],
-                pdls: list[bool], layers: int, iters: int, stream: Stream, flush) -> list[dict]:
-    """Every (M, split, pdl) of one layer shape; prints a row each."""
+                pdls: list[bool], pads: list[bool], layers: int, iters: int, stream: Stream,
+                flush) -> list[dict]:
+    """Every (M, split, pdl, pad) of one layer shape; prints a row each."""
     fake = (common.fake_ptr("bf16"), common.fake_ptr("bf16"), common.fake_ptr("bf16"),
-            cutlass.Int32(1), common.fake_stream())
+            cutlass.Int32(1), cutlass.Int32(1), common.fake_stream())
     ws = [device_array((n, k), BF16) for _ in range(layers)]
     for w in ws:
         w.fill_bytes(0x3C, stream)  # bf16 ~0.0115: finite, no upload needed
@@ -77,7 +78,8 @@ def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: li
     table.fill_bytes(0x3C, stream)
     ids = device_array(mmax, np.int32)
     ids.fill_bytes(0, stream)
-    a = device_array((mmax, k), BF16)
+    a = device_array((-(-mmax // tiles[-1]) * tiles[-1], k), BF16)
+    a.fill_bytes(0xFF, stream)  # rows past M: NaN, as in a poisoned buffer
     cs = [device_array((mmax, n), BF16) for _ in range(layers)]
     gather = compile_embedding(k)
     pa = common.gmem_ptr("bf16", a.ptr)
@@ -97,33 +99,34 @@ def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: li
         for split in (1, 2, 4, 8):
             if split > k // BK or (SLAB // 4) * tile % split:
                 continue
-            for pdl in pdls:
+            for pdl, pad in [(p, q) for p in pdls for q in pads]:
                 fn = cute.compile(GemmSkinnySm90(n, k, cutlass.BFloat16, tile, split, pdl), *fake)
                 mm = cutlass.Int32(m)
-                fn(pa, pws[0], pcs[0], mm, stream.handle)
+                ml = cutlass.Int32(-(-m // tile) * tile if pad else m)
+                fn(pa, pws[0], pcs[0], mm, ml, stream.handle)
                 ts = []
                 for _ in range(iters):  # alone: a memset, then one launch between the events
                     flush.fill_bytes(0, stream)
                     e0.record(stream)
-                    fn(pa, pws[0], pcs[0], mm, stream.handle)
+                    fn(pa, pws[0], pcs[0], mm, ml, stream.handle)
                     e1.record(stream)
                     e1.synchronize()
                     ts.append(e0.elapsed_ms(e1))
                 alone_ms = float(np.median(ts))
 
-                def body(fn=fn, mm=mm, m=m) -> None:
+                def body(fn=fn, mm=mm, ml=ml, m=m) -> None:
                     for i in range(layers):
                         gather(ids, table, a, 64, m, stream)
-                        fn(pa, pws[i], pcs[i], mm, stream.handle)
+                        fn(pa, pws[i], pcs[i], mm, ml, stream.handle)
 
                 pair_ms = (_graph_ms(stream, body, iters) - gather_ms) / layers
                 rec = {"preset": preset, "layer": name, "n": n, "k": k, "m": m, "tile": tile,
-                       "split": split, "pdl": pdl, "alone_us": alone_ms * 1e3,
+                       "split": split, "pdl": pdl, "pad": pad, "alone_us": alone_ms * 1e3,
                        "alone_gbs": nbytes / alone_ms / 1e6, "graph_us": pair_ms * 1e3,
                        "graph_gbs": nbytes / pair_ms / 1e6,
                        "heuristic": choose_split_k(n, k)}
                 records.append(rec)
-                print(f"{name:8} {n:6} {k:6} {m:3} {split:5} {int(pdl):3} "
+                print(f"{name:8} {n:6} {k:6} {m:3} {split:5} {int(pdl):3} {int(pad):3} "
                       f"{rec['alone_us']:9.2f} {rec['alone_gbs']:6.0f} "
                       f"{rec['graph_us']:9.2f} {rec['graph_gbs']:6.0f}", flush=True)
     return records
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", default="1,16,32,64")
     ap.add_argument("--tiles", default="16,32,64", help="token tiles; M uses the smallest >= M")
     ap.add_argument("--pdl", default="0", choices=["0", "1", "both"])
+    ap.add_argument("--pad", default="1", choices=["0", "1", "both"],
+                    help="A's TMA view rounded up to the token tile (as the launcher does)")
     ap.add_argument("--layers", type=int, default=8, help="gather+GEMM pairs per graph")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default=None)
@@ -142,27 +147,32 @@ def main(argv: list[str] | None = None) -> None:
     ms = [int(x) for x in args.m.split(",")]
     tiles = sorted(int(x) for x in args.tiles.split(","))
     pdls = {"0": [False], "1": [True], "both": [True, False]}[args.pdl]
+    pads = {"0": [False], "1": [True], "both": [True, False]}[args.pad]
     Context.get()
     stream = Stream()
     flush = device_array(256 << 20, np.uint8)
-    print(f"{'layer':8} {'N':>6} {'K':>6} {'M':>3} {'split':>5} {'pdl':>3} {'alone us':>9} "
+    print(f"{'layer':8} {'N':>6} {'K':>6} {'M':>3} {'split':>5} {'pdl':>3} {'pad':>3} "
+          f"{'alone us':>9} "
           f"{'GB/s':>6} {'graph us':>9} {'GB/s':>6}")
     records = []
     for name, n, k in layer_shapes(args.preset):
-        records += sweep_shape(args.preset, name, n, k, ms, tiles, pdls, max(args.layers, 1),
-                               args.iters, stream, flush)
+        records += sweep_shape(args.preset, name, n, k, ms, tiles, pdls, pads,
+                               max(args.layers, 1), args.iters, stream, flush)
     print("\nbest split per (layer, token tile), graph time summed over its M values:")
     best = {}
-    for layer, tile, pdl in sorted({(r["layer"], r["tile"], r["pdl"]) for r in records}):
-        rs = [r for r in records if (r["layer"], r["tile"], r["pdl"]) == (layer, tile, pdl)]
+    for layer, tile, pdl, pad in sorted({(r["layer"], r["tile"], r["pdl"], r["pad"])
+                                         for r in records}):
+        rs = [r for r in records
+              if (r["layer"], r["tile"], r["pdl"], r["pad"]) == (layer, tile, pdl, pad)]
         tot: dict[int, float] = {}
         for r in rs:
             tot[r["split"]] = tot.get(r["split"], 0.0) + r["graph_us"]
         split = min(tot, key=tot.get)
         heur = rs[0]["heuristic"]
-        best[f"{rs[0]['n']},{rs[0]['k']},{tile}"] = split
-        print(f"  {layer:8} tile {tile:3} pdl {int(pdl)}: best split {split} ({tot[split]:.2f} us "
-              f"over M {sorted({r['m'] for r in rs})}); heuristic {heur} ({tot[heur]:.2f} us); "
+        best[f"{rs[0]['n']},{rs[0]['k']},{tile},pdl{int(pdl)},pad{int(pad)}"] = split
+        print(f"  {layer:8} tile {tile:3} pdl {int(pdl)} pad {int(pad)}: best split {split} "
+              f"({tot[split]:.2f} us over M {sorted({r['m'] for r in rs})}); "
+              f"heuristic {heur} ({tot[heur]:.2f} us); "
               + " ".join(f"s{s}:{t:.2f}" for s, t in sorted(tot.items())))
     if args.out:
         with open(args.out, "w") as f:

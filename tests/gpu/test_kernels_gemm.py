@@ -83,6 +83,33 @@ def test_skinny_split_k(weights, stream, split_k: int, m: int) -> None:
     _run_and_check(launcher, w, w_dev, n, k, m, "bf16", stream)
 
 
+@pytest.mark.parametrize("m", [1, 17, 32, 33, 72, 96, 127])
+def test_skinny_reads_rows_past_m_without_using_them(weights, stream, m: int) -> None:
+    """A's buffer holds rows past M (NaN poison): the launcher lets the kernel's TMA view span
+    M rounded up to the token tile; C must still match numpy and rows >= M stay unwritten."""
+    n, k = 4096, 1024
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, "bf16")
+    tile = int(launcher.path(m)[6:])
+    rng = np.random.default_rng()
+    a = _rand_bf16(rng, (m, k))
+    a_dev = device_array((-(-m // tile) * tile + 3, k), BF16)
+    a_dev.fill_bytes(0xFF, stream)
+    a_dev.upload(a, stream)
+    assert launcher.load_rows(a_dev, m, tile) == -(-m // tile) * tile
+    assert launcher.load_rows(a_dev.ptr, m, tile) == m  # capacity unknown: exactly M
+    c_dev = device_array((m + PAD_ROWS, n), BF16)
+    c_dev.fill_bytes(0xFF, stream)
+    launcher(a_dev, w_dev, c_dev, m, stream)
+    stream.synchronize()
+    c = c_dev.download()
+    assert np.isfinite(c[:m].astype(np.float32)).all(), f"M={m}: NaN rows leaked"
+    assert (c[m:].view(np.uint8) == 0xFF).all(), f"M={m}: rows >= M written"
+    ref = ref_gemm(a, w)
+    err = np.linalg.norm(c[:m].astype(np.float32) - ref) / np.linalg.norm(ref)
+    assert err < TOL_OUT["bf16"], f"M={m}: rel err {err:.2e}"
+
+
 @pytest.mark.parametrize("n,k,out", [(4096, 1024, "bf16"), (1024, 3072, "bf16"),
                                        (49152, 576, "f32")])
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 128])
