@@ -43,6 +43,37 @@ def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int, see
         num_logprobs=np.full(b, -1, np.int32))
 
 
+def host_launch_us(ex, step, reps: int = 5) -> dict:
+    """Host time per launch of each kernel of ``step`` (us, median over ``reps`` steps): what
+    bounds an eager step. Wraps the executor's launchers for the measurement, then restores
+    them; the stream is synchronized before each step so the queue never fills."""
+    kernels = ex.kernels
+    spent: dict[str, list[float]] = {}
+    calls: dict[str, int] = {}
+
+    def wrap(name, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            fn(*args, **kwargs)
+            spent[name][-1] += time.perf_counter() - t
+            calls[name] = calls.get(name, 0) + 1
+        return timed
+
+    ex.kernels = {name: wrap(name, fn) for name, fn in kernels.items()}
+    try:
+        for _ in range(reps):
+            ex.stream.synchronize()
+            for name in kernels:
+                spent.setdefault(name, []).append(0.0)
+            calls.clear()
+            step()
+    finally:
+        ex.kernels = kernels
+        ex.stream.synchronize()
+    return {name: round(float(np.median(v)) * 1e6 / calls[name], 1)
+            for name, v in spent.items() if calls.get(name)}
+
+
 def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -> list[dict]:
     from engine.config import EngineConfig, ModelConfig
     from engine.cuda.driver import time_ms
@@ -86,6 +117,15 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
             return float(np.median(ts)), float(np.percentile(ts, 99))
 
         eager_ms, eager_p99 = timed(eager)
+        launch_us = host_launch_us(ex, eager)
+        t_up = []
+        for _ in range(20):  # the per-step host uploads (pageable numpy arrays today)
+            ex.stream.synchronize()
+            t1 = time.perf_counter()
+            ex.upload(batch)
+            ex.upload_sampling(batch)
+            t_up.append((time.perf_counter() - t1) * 1e6)
+        launch_us["upload+upload_sampling"] = round(float(np.median(t_up)), 1)
         # the whole step as the engine runs it (eager): upload, forward, logits, sampling,
         # download
         t_full = []
@@ -99,7 +139,7 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
                  eager_ms=round(eager_ms, 4),
                  eager_p99_ms=round(eager_p99, 4), step_full_ms=round(float(np.median(t_full)), 4),
                  floor_ms=round(floor, 4), eager_floor_ratio=round(floor / eager_ms, 3),
-                 num_splits=splits)
+                 num_splits=splits, host_launch_us=launch_us)
         if runner is not None:
             g_ms, g_p99 = timed(lambda b=b: runner.replay_bucket(b))
             r.update(graph_ms=round(g_ms, 4), graph_p99_ms=round(g_p99, 4),

@@ -73,6 +73,7 @@ class CudaExecutor(Executor):
         from cutlass_kernels.prefill_attention import compile_prefill_attention
         from cutlass_kernels.rmsnorm import compile_rmsnorm
         from cutlass_kernels.rope_kv import compile_rope_kv
+        from cutlass_kernels.sampling import compile_logprobs, compile_sampler
         from cutlass_kernels.silu_mul import compile_silu_mul
 
         h, nq, nkv, hd = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, \
@@ -91,14 +92,9 @@ class CudaExecutor(Executor):
             "silu": compile_silu_mul(mc.intermediate_size),
             "decode": compile_decode_attention(nq, nkv, hd, 16),
             "prefill": compile_prefill_attention(nq, nkv, hd, 16),
+            "sample": compile_sampler(mc.vocab_size),
+            "logprobs": compile_logprobs(mc.vocab_size),
         }
-        try:
-            from cutlass_kernels.sampling import compile_logprobs, compile_sampler
-
-            k["sample"] = compile_sampler(mc.vocab_size)
-            k["logprobs"] = compile_logprobs(mc.vocab_size)
-        except ImportError:  # pragma: no cover - until the GPU sampler lands
-            pass
         return k
 
     def _num_splits(self, batch: int, max_context: int) -> int:
@@ -218,10 +214,9 @@ class CudaExecutor(Executor):
         row, sampling. This is what a graph captures (per bucket); eager decode runs it too."""
         self.forward(batch, batch, True, 1, num_splits)
         self.logits(batch, 0, batch)
-        if "sample" in self.kernels:
-            b = self.buf
-            self.kernels["sample"](b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds,
-                                   b.steps, b.sampled, batch, self.stream)
+        b = self.buf
+        self.kernels["sample"](b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds,
+                               b.steps, b.sampled, batch, self.stream)
 
     def decode_splits(self, batch: int) -> int:
         """Split-KV factor of a decode step: fixed per bucket (from max_model_len), so an eager
@@ -255,10 +250,8 @@ class CudaExecutor(Executor):
             if s_rows:
                 self.upload_sampling(b)
                 self.logits(b.num_tokens, 0, s_rows)
-                if "sample" in self.kernels:
-                    k = self.kernels["sample"]
-                    k(buf.logits, buf.temperature, buf.top_k, buf.top_p, buf.min_p, buf.seeds,
-                      buf.steps, buf.sampled, s_rows, st)
+                self.kernels["sample"](buf.logits, buf.temperature, buf.top_k, buf.top_p,
+                                       buf.min_p, buf.seeds, buf.steps, buf.sampled, s_rows, st)
                 tokens = self._sampled(b, s_rows)
         lp = None
         if s_rows and (b.num_logprobs >= 0).any():
@@ -268,26 +261,14 @@ class CudaExecutor(Executor):
 
     # -- sampling and logprobs -------------------------------------------------------------------
     def _sampled(self, b: StepBatch, n: int) -> np.ndarray:
-        """Download the sampled ids (host fallback when the GPU sampler is unavailable)."""
+        """Download the ids the GPU sampler drew (rows ``0..n-1``)."""
         st, buf = self.stream, self.buf
-        if "sample" not in self.kernels:
-            from engine.sampling import sample
-
-            lg = buf.logits.download(np.empty((n, self.mc.vocab_size), np.float32), st)
-            st.synchronize()
-            return sample(lg, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.sample_steps)
         out = buf.sampled.download(np.empty(n, np.int32), st)
         st.synchronize()
         return out
 
     def _logprobs(self, n: int, targets: np.ndarray, top_n: int) -> Logprobs:
         st, buf = self.stream, self.buf
-        if "logprobs" not in self.kernels:
-            from engine.sampling import compute_logprobs
-
-            lg = buf.logits.download(np.empty((n, self.mc.vocab_size), np.float32), st)
-            st.synchronize()
-            return compute_logprobs(lg, targets, top_n)
         buf.targets.upload(targets.astype(np.int32), st)
         self.kernels["logprobs"](buf.logits, buf.targets, buf.lp_token, buf.lp_rank,
                                  buf.lp_top_ids, buf.lp_top, n, top_n, st)
