@@ -73,6 +73,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """``all_token_ids[start:start + n]`` without building the whole list (a decode step
+        asks for one token of a long sequence)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:start - p + n]
+        if start + n <= p:
+            return self.prompt_token_ids[start:start + n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:start + n - p]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -99,7 +99,7 @@ class Scheduler:
             start = req.num_computed_tokens
             remaining = req.num_tokens - start
             n = min(remaining, budget)
-            tokens = req.all_token_ids[start:start + n]
+            tokens = req.token_slice(start, n)
             while True:
                 try:
                     slots = self.bm.append_slots(req.request_id, n, tokens)
@@ -174,6 +174,7 @@ def prepare(plan: StepPlan, scheduler: Scheduler) -> StepBatch:
     """Flatten a plan into the executor's arrays (the one place a step's batch is built)."""
     seqs = plan.seqs
     b = len(seqs)
+    bm = scheduler.bm
     ids: list[int] = []
     pos: list[int] = []
     slots: list[int] = []
@@ -187,14 +188,13 @@ def prepare(plan: StepPlan, scheduler: Scheduler) -> StepBatch:
     pl_n = 0
     for s in seqs:
         req = s.request
-        toks = req.all_token_ids
         base = cu[-1]
-        ids += toks[s.start:s.start + s.num_new]
+        ids += req.token_slice(s.start, s.num_new)
         pos += range(s.start, s.start + s.num_new)
         slots += s.slots
         cu.append(base + s.num_new)
         ctx.append(s.start + s.num_new)
-        tables.append(scheduler.page_table(req))
+        tables.append(bm.page_table_view(req.request_id))
         if s.sample:
             sample_idx.append(base + s.num_new - 1)
             sample_reqs.append(req)
@@ -202,10 +202,9 @@ def prepare(plan: StepPlan, scheduler: Scheduler) -> StepBatch:
             pl_idx.append(base + p - s.start)
             pl_tgt.append(req.prompt_token_ids[p + 1])
             pl_n = max(pl_n, req.params.prompt_logprobs or 0)
-    width = max((len(t) for t in tables), default=1)
-    page_indices = np.zeros((b, max(width, 1)), np.int32)
-    for r, t in enumerate(tables):
-        page_indices[r, :len(t)] = t
+    width = max(max((len(t) for t in tables), default=1), 1)
+    page_indices = np.array([t + [0] * (width - len(t)) if len(t) < width else t
+                             for t in tables], np.int32).reshape(b, width)
     sp = [r.params for r in sample_reqs]
     return StepBatch(
         input_ids=np.asarray(ids, np.int32),

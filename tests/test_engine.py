@@ -297,3 +297,17 @@ def test_prompt_logprobs_over_cached_prefix(tiny_dir):
     assert len(pl) == len(p) and all(x is None for x in pl[:33])
     for i in range(33, len(p)):
         assert abs(pl[i][p[i]].logprob - plain[i][p[i]].logprob) < 1e-4
+
+
+def test_request_token_slice_equals_slicing_all_tokens():
+    """The step builder's slice (no full concatenation) is exactly all_token_ids[start:start+n],
+    across the prompt/output boundary, empty outputs and ranges past the end."""
+    from engine.request import Request
+
+    for n_prompt, n_out in [(5, 0), (5, 3), (1, 4), (16, 16)]:
+        req = Request("r", list(range(100, 100 + n_prompt)), SamplingParams(), seed=0, arrival=0)
+        req.output_token_ids = list(range(200, 200 + n_out))
+        whole = req.all_token_ids
+        for start in range(len(whole) + 2):
+            for n in range(len(whole) + 3):
+                assert req.token_slice(start, n) == whole[start:start + n], (start, n)

@@ -294,6 +294,10 @@ class BlockManager:
     def page_table(self, request_id: Hashable) -> list[int]:
         return list(self._get(request_id).pages)
 
+    def page_table_view(self, request_id: Hashable) -> list[int]:
+        """The table itself, not a copy (the step builder reads it at once): never mutate it."""
+        return self._get(request_id).pages
+
     def num_tokens(self, request_id: Hashable) -> int:
         return self._get(request_id).num_slots
 
