@@ -49,6 +49,7 @@ NUM_THREADS = 128
 COMBINE_WARPS = 4
 MAX_SPLITS = 64
 MIN_PAGES_PER_SPLIT = 8
+DEFAULT_STAGES = 4
 
 
 def decode_workspace_bytes(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -60,23 +61,29 @@ def decode_workspace_bytes(batch: int, num_q_heads: int, head_dim: int, num_spli
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
                       page_size: int = 16) -> int:
-    """Splits per sequence for a decode bucket: enough CTAs to fill the GPU in several waves.
+    """Splits per sequence for a decode bucket: about two CTAs per SM over the launch.
 
-    A CTA keeps up to num_stages - 1 pages of K and V in flight and about three fit on an SM
-    (hd 128: ~160 registers x 128 threads), so ~8 CTAs per SM over the launch leaves a short last
-    wave; B * nkv = 512 alone would run as 1.3 waves. A split still covers at least
+    Measured on the H200 (tools/tune_attention.py, docs/perf.md): back-to-back in a graph the
+    kernel reads K/V at 3.3-3.7 TB/s once B * nkv covers the SMs (qwen3-8b shape: B = 64 at one
+    split 81.6 us, at three 83.4 us; B = 8: four splits 15.4 us, eight 18.3 us), and a deeper
+    cp.async ring (6, 8, 12 stages) only lowers occupancy. A split still covers at least
     MIN_PAGES_PER_SPLIT pages of max_context, or the combine costs more than it saves; sequences
     shorter than max_context spread their pages over the same splits (some stay empty, cheap).
     """
     ctas = max(1, batch * num_kv_heads)
     pages = max(1, -(-max_context // page_size))
-    want = -(-8 * num_sms // ctas)
+    want = -(-2 * num_sms // ctas)
+    if 1024 <= ctas < 2048:
+        # measured, not modelled: at B * nkv = 1024 two splits beat one for qwen3-0.6b (GQA 2:
+        # 138 vs 151 us, three repeats) and tie end-to-end for qwen3-8b; at 512 one split wins,
+        # and at 2048 (bucket 256) one split is what v1-v3 measured
+        want = max(want, 2)
     return max(1, min(want, pages // MIN_PAGES_PER_SPLIT, MAX_SPLITS))
 
 
 class DecodeAttention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
-                 split: bool = False, num_stages: int = 4):
+                 split: bool = False, num_stages: int = DEFAULT_STAGES):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if page_size != 16:
@@ -373,8 +380,8 @@ class DecodeAttentionLauncher:
            cutlass.Float32(scale), stream)
 
 
-def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool):
-    op = DecodeAttention(nq, nkv, head_dim, page_size, split=split)
+def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool, num_stages: int):
+    op = DecodeAttention(nq, nkv, head_dim, page_size, split=split, num_stages=num_stages)
     f = _common.fake_ptr
     return cute.compile(op, f("bf16"), f("bf16"), f("bf16"), f("i32"), f("i32"), f("bf16"),
                         f("f32"), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
@@ -382,14 +389,18 @@ def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool):
 
 
 def compile_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
-                             page_size: int = 16) -> DecodeAttentionLauncher:
-    """Compile (once per shape) the single-split and the split + combine variants."""
-    key = ("decode_attention", num_q_heads, num_kv_heads, head_dim, page_size)
+                             page_size: int = 16,
+                             num_stages: int = DEFAULT_STAGES) -> DecodeAttentionLauncher:
+    """Compile (once per shape) the single-split and the split + combine variants.
+    ``num_stages``: pages in the cp.async ring (``num_stages - 1`` in flight per CTA)."""
+    if not 2 <= num_stages <= 16:
+        raise ValueError(f"num_stages must be in [2, 16], got {num_stages}")
+    key = ("decode_attention", num_q_heads, num_kv_heads, head_dim, page_size, num_stages)
 
     def build() -> DecodeAttentionLauncher:
         return DecodeAttentionLauncher(
             num_q_heads, num_kv_heads, head_dim, page_size,
-            _compile(num_q_heads, num_kv_heads, head_dim, page_size, False),
-            _compile(num_q_heads, num_kv_heads, head_dim, page_size, True))
+            _compile(num_q_heads, num_kv_heads, head_dim, page_size, False, num_stages),
+            _compile(num_q_heads, num_kv_heads, head_dim, page_size, True, num_stages))
 
     return _common.cached_compile(key, build)

@@ -51,9 +51,13 @@ def test_decode_helpers():
             s = choose_num_splits(batch, 8, ctx)
             assert 1 <= s <= MAX_SPLITS
             assert s == 1 or -(-ctx // 16) >= 8 * s  # no split shorter than 8 pages
+    # about 2 CTAs per SM (measured on the H200, docs/perf.md)
     assert choose_num_splits(256, 8, 4096) == 1  # 2048 CTAs fill the GPU
-    assert choose_num_splits(64, 8, 1024) == 3  # not 512 CTAs = 1.3 waves
-    assert choose_num_splits(1, 8, 40960) == MAX_SPLITS
+    assert choose_num_splits(128, 8, 1024) == 2  # 1024 CTAs: two splits measured faster
+    assert choose_num_splits(64, 8, 1024) == 1  # 512 CTAs: one split was fastest
+    assert choose_num_splits(8, 8, 1024) == 5  # 64 CTAs: 4-5 splits, not 8
+    assert choose_num_splits(1, 8, 40960) == 33
+    assert choose_num_splits(1, 8, 1024) == 8  # capped at 8 pages per split
     assert choose_num_splits(1, 8, 100) == 1
 
 

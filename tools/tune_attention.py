@@ -1,0 +1,99 @@
+"""Sweep the paged decode attention's ring depth (``num_stages``) and split-KV factor.
+
+For each batch, every (stages, splits) pair runs over the same random paged KV (pages in random
+order, as a real pool hands them out), timed as a CUDA graph of ``--reps`` launches; GB/s counts
+the K and V bytes read. ``choose_num_splits``'s pick is marked.
+
+    python -m tools.tune_attention --nq 32 --nkv 8 --batch 8,64,128 --ctx 1024 --stages 4,6,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nq", type=int, default=32)
+    ap.add_argument("--nkv", type=int, default=8)
+    ap.add_argument("--hd", type=int, default=128)
+    ap.add_argument("--batch", default="8,64,128")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--stages", default="4,6,8")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    from cutlass_kernels.decode_attention import (
+        choose_num_splits,
+        compile_decode_attention,
+        decode_workspace_bytes,
+    )
+    from engine.cuda.driver import Context, Stream, _cu, check, device_array, time_ms, to_device
+
+    ctx_obj = Context.get()
+    st = Stream()
+    cu = _cu()
+    nq, nkv, hd, ps = args.nq, args.nkv, args.hd, 16
+    rng = np.random.default_rng(0)
+    records = []
+    for batch in (int(b) for b in args.batch.split(",")):
+        ctx = args.ctx
+        ppseq = -(-ctx // ps)
+        n_pages = batch * ppseq + 1
+        k = device_array((n_pages, nkv, ps, hd), BF16)
+        v = device_array((n_pages, nkv, ps, hd), BF16)
+        k.fill_bytes(0x3C, st)
+        v.fill_bytes(0x3C, st)
+        table = to_device(rng.permutation(np.arange(1, n_pages)).astype(np.int32)
+                          .reshape(batch, ppseq))
+        lens = to_device(np.full(batch, ctx, np.int32))
+        q = to_device(rng.standard_normal((batch, nq * hd)).astype(BF16))
+        out = device_array((batch, nq * hd), BF16)
+        picked = choose_num_splits(batch, nkv, ctx, ctx_obj.num_sms)
+        splits_set = sorted({max(1, picked // 2), picked, picked * 2, 1})
+        kv_bytes = 2 * batch * ctx * nkv * hd * 2
+        for stages in (int(s) for s in args.stages.split(",")):
+            dec = compile_decode_attention(nq, nkv, hd, num_stages=stages)
+            for splits in splits_set:
+                ws = device_array(max(1, decode_workspace_bytes(batch, nq, hd, splits) // 4),
+                                  np.float32)
+
+                fixed = (q, k, v, table, lens, out, ws, batch, ppseq, splits, hd ** -0.5,
+                         st.handle)
+
+                def launch(dec=dec, fixed=fixed) -> None:
+                    dec(*fixed)
+
+                launch()
+                check(cu.cuStreamBeginCapture(
+                    st.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                    "cuStreamBeginCapture")
+                for _ in range(args.reps):
+                    launch()
+                graph = check(cu.cuStreamEndCapture(st.handle), "cuStreamEndCapture")
+                gexec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+                ts = time_ms(st, lambda g=gexec: check(cu.cuGraphLaunch(g, st.handle),
+                                                       "cuGraphLaunch"), args.iters)
+                cu.cuGraphExecDestroy(gexec)
+                cu.cuGraphDestroy(graph)
+                us = float(np.median(ts)) / args.reps * 1e3
+                rec = {"nq": nq, "nkv": nkv, "hd": hd, "batch": batch, "ctx": ctx,
+                       "stages": stages, "splits": splits, "picked": splits == picked,
+                       "us": round(us, 2), "gbs": round(kv_bytes / us / 1e3, 1)}
+                records.append(rec)
+                print(json.dumps(rec), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
