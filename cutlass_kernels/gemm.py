@@ -114,17 +114,18 @@ class GemmLauncher:
 
     def path(self, m: int) -> str:
         """Which kernel serves M: 'skinny<tile_t>' or 'tiled'."""
-        return self._pick(m)[0]
+        tile_t, _ = self._pick(m)
+        return f"skinny{tile_t}" if tile_t else "tiled"
 
-    def _pick(self, m: int) -> tuple[str, Any]:
+    def _pick(self, m: int) -> tuple[int, Any]:
+        """(skinny token tile, kernel), or (0, tiled kernel)."""
         if m <= self.cfg.crossover:
             for tile_t, fn in self._skinny:
                 if m <= tile_t:
-                    return f"skinny{tile_t}", fn
+                    return tile_t, fn
             if self._skinny:
-                tile_t, fn = self._skinny[-1]
-                return f"skinny{tile_t}", fn
-        return "tiled", self._tiled
+                return self._skinny[-1]
+        return 0, self._tiled
 
     def compiled(self) -> list[Any]:
         """Every compiled function (to load modules, ``f.to()``, before graph capture)."""
@@ -135,15 +136,16 @@ class GemmLauncher:
             raise common.KernelArgError(f"m must be a non-negative Python int, got {m!r}")
         if m == 0:
             return
-        name, fn = self._pick(m)
+        tile_t, fn = self._pick(m)
         # The skinny kernel indexes C with Int32; TMA (tiled path) takes 32-bit coordinates.
-        if m * self.cfg.k >= 2**31 or (name != "tiled" and m * self.cfg.n >= 2**31):
+        if m * self.cfg.k >= 2**31 or (tile_t and m * self.cfg.n >= 2**31):
             raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")
-        args = (self._ptr("bf16", a), self._ptr("bf16", w), self._ptr(self.cfg.out_dtype, c),
-                cutlass.Int32(m))
-        if name != "tiled":
-            args += (cutlass.Int32(self.load_rows(a, m, int(name[6:]))),)
-        fn(*args, getattr(stream, "handle", stream))
+        pa, pw, pc = self._ptr("bf16", a), self._ptr("bf16", w), self._ptr(self.cfg.out_dtype, c)
+        st = getattr(stream, "handle", stream)
+        if tile_t:
+            fn(pa, pw, pc, cutlass.Int32(m), cutlass.Int32(self.load_rows(a, m, tile_t)), st)
+        else:
+            fn(pa, pw, pc, cutlass.Int32(m), st)
 
     def load_rows(self, a: Any, m: int, tile_t: int) -> int:
         """Rows of A the skinny kernel's TMA view spans: M rounded up to the token tile when A's

@@ -216,6 +216,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    """Until the server subprocess answers /health with 200 (fails if it exits first)."""
+    def up() -> bool:
+        try:
+            return http("GET", f"{url}/health", timeout=2)[0] == 200
+        except OSError:
+            return proc.poll() is not None
+    assert wait_for(up, timeout=60, interval=0.2) and proc.poll() is None
+
+
 def test_dead_engine_loop_gives_503_and_nonzero_exit(model_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "serve.py"
     script.write_text(SERVE_SCRIPT.format(poison=POISON))
@@ -225,12 +235,7 @@ def test_dead_engine_loop_gives_503_and_nonzero_exit(model_dir: Path, tmp_path: 
     proc = subprocess.Popen([sys.executable, str(script), str(model_dir), str(port)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        def up() -> bool:
-            try:
-                return http("GET", f"{url}/health", timeout=2)[0] == 200
-            except OSError:
-                return proc.poll() is not None
-        assert wait_for(up, timeout=60, interval=0.2) and proc.poll() is None
+        _wait_healthy(proc, url)
         status, body = http("POST", f"{url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
         assert status == 200
         status, body = http("POST", f"{url}/v1/completions",
@@ -257,12 +262,7 @@ def test_cli_serve_starts_and_stops_cleanly(model_dir: Path) -> None:
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
-        def up() -> bool:
-            try:
-                return http("GET", f"{url}/health", timeout=2)[0] == 200
-            except OSError:
-                return proc.poll() is not None
-        assert wait_for(up, timeout=60, interval=0.2) and proc.poll() is None
+        _wait_healthy(proc, url)
         status, body = http("GET", f"{url}/v1/models")
         assert status == 200 and body["data"][0]["id"] == model_dir.name
         assert body["data"][0]["max_model_len"] == 128

@@ -36,11 +36,10 @@ def main(argv: list[str] | None = None) -> None:
         compile_decode_attention,
         decode_workspace_bytes,
     )
-    from engine.cuda.driver import Context, Stream, _cu, check, device_array, time_ms, to_device
+    from engine.cuda.driver import Context, Stream, device_array, graph_time_ms, to_device
 
     ctx_obj = Context.get()
     st = Stream()
-    cu = _cu()
     nq, nkv, hd, ps = args.nq, args.nkv, args.hd, 16
     rng = np.random.default_rng(0)
     records = []
@@ -73,18 +72,8 @@ def main(argv: list[str] | None = None) -> None:
                     dec(*fixed)
 
                 launch()
-                check(cu.cuStreamBeginCapture(
-                    st.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-                    "cuStreamBeginCapture")
-                for _ in range(args.reps):
-                    launch()
-                graph = check(cu.cuStreamEndCapture(st.handle), "cuStreamEndCapture")
-                gexec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-                ts = time_ms(st, lambda g=gexec: check(cu.cuGraphLaunch(g, st.handle),
-                                                       "cuGraphLaunch"), args.iters)
-                cu.cuGraphExecDestroy(gexec)
-                cu.cuGraphDestroy(graph)
-                us = float(np.median(ts)) / args.reps * 1e3
+                us = graph_time_ms(st, lambda launch=launch: [launch() for _ in range(args.reps)],
+                                   args.iters) / args.reps * 1e3
                 rec = {"nq": nq, "nkv": nkv, "hd": hd, "batch": batch, "ctx": ctx,
                        "stages": stages, "splits": splits, "picked": splits == picked,
                        "us": round(us, 2), "gbs": round(kv_bytes / us / 1e3, 1)}

@@ -32,7 +32,7 @@ from cutlass_kernels.embedding import compile_embedding
 from cutlass_kernels.gemm import SLAB, choose_split_k
 from cutlass_kernels.gemm_skinny import GemmSkinnySm90
 from cutlass_kernels.gemm_sm90 import BK
-from engine.cuda.driver import Context, Event, Stream, _cu, check, device_array, time_ms
+from engine.cuda.driver import Context, Event, Stream, device_array, graph_time_ms
 from tools.make_checkpoint import PRESETS
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -45,23 +45,6 @@ def layer_shapes(preset: str) -> list[tuple[str, int, int]]:
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     return [("qkv", q + 2 * kv, h), ("o_proj", h, q), ("gate_up", 2 * inter, h),
             ("down", h, inter)]
-
-
-def _graph_ms(stream: Stream, body, iters: int) -> float:
-    cu = _cu()
-    check(cu.cuStreamBeginCapture(stream.handle,
-                                  cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-          "cuStreamBeginCapture")
-    body()
-    graph = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
-    gexec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-    try:
-        ts = time_ms(stream, lambda: check(cu.cuGraphLaunch(gexec, stream.handle),
-                                           "cuGraphLaunch"), iters)
-    finally:
-        cu.cuGraphExecDestroy(gexec)
-        cu.cuGraphDestroy(graph)
-    return float(np.median(ts))
 
 
 def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: list[int],
@@ -95,7 +78,7 @@ def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: li
             for _ in range(layers):
                 gather(ids, table, a, 64, m, stream)
 
-        gather_ms = _graph_ms(stream, gathers, iters)
+        gather_ms = graph_time_ms(stream, gathers, iters)
         for split in (1, 2, 4, 8):
             if split > k // BK or (SLAB // 4) * tile % split:
                 continue
@@ -119,7 +102,7 @@ def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: li
                         gather(ids, table, a, 64, m, stream)
                         fn(pa, pws[i], pcs[i], mm, ml, stream.handle)
 
-                pair_ms = (_graph_ms(stream, body, iters) - gather_ms) / layers
+                pair_ms = (graph_time_ms(stream, body, iters) - gather_ms) / layers
                 rec = {"preset": preset, "layer": name, "n": n, "k": k, "m": m, "tile": tile,
                        "split": split, "pdl": pdl, "pad": pad, "alone_us": alone_ms * 1e3,
                        "alone_gbs": nbytes / alone_ms / 1e6, "graph_us": pair_ms * 1e3,

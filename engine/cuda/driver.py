@@ -149,6 +149,30 @@ def time_ms(stream: Stream, fn: Any, iters: int, warmup: int = 3) -> np.ndarray:
     return ts
 
 
+def graph_time_ms(stream: Stream, body: Any, iters: int) -> float:
+    """Median device time (ms) of one replay of the CUDA graph captured from ``body()`` (work it
+    enqueues on ``stream``); the graph is destroyed afterwards. For tools timing kernels the way
+    a decode step runs them, back to back without host launch gaps."""
+    cu = _cu()
+    check(cu.cuStreamBeginCapture(
+        stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        "cuStreamBeginCapture")
+    try:
+        body()
+    finally:
+        graph = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+    try:
+        gexec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        try:
+            ts = time_ms(stream, lambda: check(cu.cuGraphLaunch(gexec, stream.handle),
+                                               "cuGraphLaunch"), iters)
+        finally:
+            cu.cuGraphExecDestroy(gexec)
+    finally:
+        cu.cuGraphDestroy(graph)
+    return float(np.median(ts))
+
+
 _NP_OF = {"bf16": None, "f32": np.float32, "i32": np.int32, "i64": np.int64, "u32": np.uint32,
           "u64": np.uint64, "f16": np.float16, "u8": np.uint8}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -109,23 +109,18 @@ class OpenAIServing:
 
     async def _completion_chunks(self, stream: RequestStream, head: dict[str, Any],
                                  body: CompletionRequest) -> AsyncIterator[bytes]:
-        with_usage = body.include_usage()
         offset = 0
-        async for d in stream:
-            if d.finish_reason == "error":
-                yield error_event(d)
-                break
-            if not (d.text or d.token_ids or d.finished):
-                continue
+
+        def choice(d: StreamDelta) -> dict[str, Any]:
+            nonlocal offset
             lp = None
             if body.logprobs is not None:
                 lp, offset = completion_logprobs(d.token_ids, d.logprobs or [], offset)
-            choice = {"index": 0, "text": d.text, "logprobs": lp,
-                      "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
-            yield sse({**head, "choices": [choice], **({"usage": None} if with_usage else {})})
-            if d.finished and with_usage:
-                yield sse({**head, "choices": [], "usage": usage(d)})
-        yield DONE
+            return {"index": 0, "text": d.text, "logprobs": lp,
+                    "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+
+        async for chunk in _delta_chunks(stream, head, body.include_usage(), choice):
+            yield chunk
 
     # -- /v1/chat/completions --------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -178,26 +173,39 @@ class OpenAIServing:
         first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}
         yield sse({**head, "choices": [first], **extra})
-        async for d in stream:
-            if d.finish_reason == "error":
-                yield error_event(d)
-                break
-            if not (d.text or d.token_ids or d.finished):
-                continue
+
+        def choice(d: StreamDelta) -> dict[str, Any]:
             lp = None
             if body.logprobs:
                 lp = {"content": chat_logprobs(d.token_ids, d.logprobs or [],
                                                body.top_logprobs or 0)}
-            choice = {"index": 0, "delta": {"content": d.text} if d.text else {},
-                      "logprobs": lp, "finish_reason": d.finish_reason,
-                      "stop_reason": d.stop_reason}
-            yield sse({**head, "choices": [choice], **extra})
-            if d.finished and extra:
-                yield sse({**head, "choices": [], "usage": usage(d)})
-        yield DONE
+            return {"index": 0, "delta": {"content": d.text} if d.text else {},
+                    "logprobs": lp, "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason}
+
+        async for chunk in _delta_chunks(stream, head, body.include_usage(), choice):
+            yield chunk
 
 
 # -- plumbing ------------------------------------------------------------------------------------
+
+
+async def _delta_chunks(stream: RequestStream, head: dict[str, Any], with_usage: bool,
+                        choice: Callable[[StreamDelta], dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed completion or chat completion: one chunk per non-empty delta
+    (``choice`` renders it), an error event if the request failed, the usage chunk when asked
+    for, then ``[DONE]``."""
+    extra = {"usage": None} if with_usage else {}
+    async for d in stream:
+        if d.finish_reason == "error":
+            yield error_event(d)
+            break
+        if not (d.text or d.token_ids or d.finished):
+            continue
+        yield sse({**head, "choices": [choice(d)], **extra})
+        if d.finished and with_usage:
+            yield sse({**head, "choices": [], "usage": usage(d)})
+    yield DONE
 async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
     """Waits for the client to go away (ASGI ``http.disconnect``), then aborts the request."""
     while not stream.finished:
