@@ -1,10 +1,18 @@
-"""The ``cuteinfer`` command. Each subcommand lives in its own module and is imported lazily."""
+"""The ``cuteinfer`` command. Each subcommand lives in its own module and is imported lazily.
+
+Errors are one line on stderr, ``cuteinfer: error: <message>``, never a traceback unless
+``--debug`` is given (before or after the subcommand). Exit status: 2 when the input is at fault
+(an option, the checkpoint, a request, a missing extra: the message says what to change), 1 for
+anything unexpected, 130 on Ctrl-C.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import sys
+import traceback
+from typing import NoReturn
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -13,20 +21,92 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("engine.server.cli", "OpenAI-compatible HTTP server"),
     "profile-graphs": ("graphs.profile", "capture and profile the decode CUDA graphs"),
 }
+# Modules of the optional extras (pyproject.toml) -> (pip package, extra that installs it).
+EXTRAS: dict[str, tuple[str, str]] = {
+    "fastapi": ("fastapi", "server"), "uvicorn": ("uvicorn", "server"),
+    "starlette": ("fastapi", "server"), "prometheus_client": ("prometheus-client", "server"),
+    "matplotlib": ("matplotlib", "profile"), "hypothesis": ("hypothesis", "test"),
+}
+# Errors that mean the input is at fault, by (module, class). Their messages name the field or
+# file and say what to change. A class whose module was never imported cannot have been raised,
+# so the handler looks them up in sys.modules instead of importing the engine to catch them.
+INPUT_ERRORS = (
+    ("engine.config", "ConfigError"), ("engine.model.loader", "CheckpointError"),
+    ("engine.model.safetensors_io", "SafetensorsError"), ("engine.engine", "RequestError"),
+    ("engine.sampling_params", "SamplingParamsError"), ("engine.tokenizer", "TokenizerError"),
+    ("engine.model.gguf_convert", "GGUFConvertError"), ("engine.cuda.driver", "NoGpuError"),
+)
+# Expected failures of the environment (no network for the default model): exit 1, no hint.
+ENVIRONMENT_ERRORS = (("engine.model.fetch", "FetchError"),)
+
+
+class CLIError(Exception):
+    """A usage error: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse prints usage + error; we print one line
+        raise CLIError(f"{message} (see '{self.prog} --help')")
+
+
+def _classes(names: tuple[tuple[str, str], ...]) -> tuple[type[BaseException], ...]:
+    return tuple(getattr(sys.modules[m], c) for m, c in names if m in sys.modules)
+
+
+def _report(e: Exception, command: str | None) -> tuple[int, str]:
+    """(exit status, message) for an exception that ended a command."""
+    if isinstance(e, CLIError):
+        return 2, str(e)
+    if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in EXTRAS:
+        package, extra = EXTRAS[(e.name or "").split(".")[0]]
+        return 2, (f"'{command}' needs the Python package '{package}', which is not installed: "
+                   f"pip install 'cuteinfer[{extra}]'")
+    if isinstance(e, _classes(INPUT_ERRORS)):
+        hint = ""
+        if type(e).__name__ == "NoGpuError" and command in ("generate", "serve"):
+            hint = "; --backend numpy runs on the CPU"
+        return 2, f"{e}{hint}"
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return 2, f"{e.filename}: {e.strerror}"  # a path given on the command line
+    if isinstance(e, _classes(ENVIRONMENT_ERRORS)):
+        return 1, str(e)
+    return 1, f"{type(e).__name__}: {e} (run with --debug for the traceback)"
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv[: argv.index("--") if "--" in argv else len(argv)]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cuteinfer", description=__doc__)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(argv)
+    # The command is the first word that is not an option: the top level takes no values.
+    command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        return _run(argv, command)
+    except KeyboardInterrupt:
+        print("\ncuteinfer: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        code, message = _report(e, command)
+        if debug:
+            traceback.print_exc()
+            message = message.removesuffix(" (run with --debug for the traceback)")
+        print(f"cuteinfer: error: {message}", file=sys.stderr)
+        return code
+
+
+def _run(argv: list[str], command: str | None) -> int:
+    parser = _Parser(prog="cuteinfer", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", required=True)
-    argv = sys.argv[1:] if argv is None else argv
-    wanted = argv[0] if argv else None
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)
-        if name == wanted:  # import only the module of the command that runs
-            try:
-                mod = importlib.import_module(module)
-            except ModuleNotFoundError as e:
-                parser.error(f"'{name}' is unavailable: {e}")
+        # Also accepted after the subcommand; SUPPRESS keeps a top-level --debug from being reset.
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help=argparse.SUPPRESS)
+        if name == command:  # import only the module of the command that runs
+            mod = importlib.import_module(module)
             mod.add_arguments(p)
             p.set_defaults(_run=mod.run)
     args = parser.parse_args(argv)

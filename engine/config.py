@@ -6,12 +6,13 @@ Both are passed down whole. Derived values are properties; validation happens in
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from engine.jsonfile import Fields, is_id, is_int, is_number, json_type, read_json
 
 SUPPORTED_ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 
@@ -45,8 +46,20 @@ class ModelConfig:
         for f in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ConfigError(f"{f} must be a positive integer, got {v!r}")
+        for f in ("rms_norm_eps", "rope_theta"):  # NaN here loads and then generates token 0
+            v = getattr(self, f)
+            if not is_number(v) or not math.isfinite(v) or v <= 0:
+                raise ConfigError(f"{f} must be a finite number > 0, got {v!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError(f"tie_word_embeddings must be a boolean, got "
+                              f"{self.tie_word_embeddings!r}")
+        if not all(is_id(t) for t in self.eos_token_ids):
+            raise ConfigError(f"eos_token_ids must be integers >= 0, got {self.eos_token_ids!r}")
+        for f in ("bos_token_id", "pad_token_id"):
+            if getattr(self, f) is not None and not is_int(getattr(self, f)):
+                raise ConfigError(f"{f} must be an integer or None, got {getattr(self, f)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -91,104 +104,112 @@ class ModelConfig:
     # -- parsing -------------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None,
-                  source: str = "config.json") -> ModelConfig:
-        """Parse a Hugging Face config (transformers 4.x or 5.x form)."""
-        archs = cfg.get("architectures") or []
+                  source: str = "config.json",
+                  generation_source: str = "generation_config.json") -> ModelConfig:
+        """Parse a Hugging Face config (transformers 4.x or 5.x form). Every field is read with
+        its JSON type checked: ``"tie_word_embeddings": "false"`` is an error, not true."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{source}: must hold a JSON object ({{...}}), got {json_type(cfg)}")
+        if generation_config is not None and not isinstance(generation_config, dict):
+            raise ConfigError(f"{generation_source}: must hold a JSON object ({{...}}), got "
+                              f"{json_type(generation_config)}")
+        r = Fields(cfg)
+        archs = r.get("architectures", "strings", [])
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
                     None)
-        if arch is None:
+        if arch is None and not r.problems:
             raise ConfigError(
                 f"{source}: architectures {archs!r} are not supported; cuteinfer runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        problems: list[str] = []
         # RoPE: 4.x puts rope_theta (and rope_scaling) at top level; 5.x nests rope_parameters.
-        rp = cfg.get("rope_parameters")
-        if isinstance(rp, dict) and "full_attention" in rp and isinstance(rp["full_attention"],
-                                                                          dict):
-            rp = rp["full_attention"]
-        rope_theta = cfg.get("rope_theta")
+        rope_theta = r.get("rope_theta", "number", 10000.0)
         rope_type = "default"
-        if isinstance(rp, dict):
-            rope_theta = rp.get("rope_theta", rope_theta)
-            rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
-        scaling = cfg.get("rope_scaling")
-        if isinstance(scaling, dict):
-            rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-        if rope_type != "default":
-            problems.append(f"rope scaling {rope_type!r} is not supported (only plain RoPE)")
-        if rope_theta is None:
-            rope_theta = 10000.0
-        if cfg.get("attention_bias"):
-            problems.append("attention_bias=true is not supported (Qwen3/Llama without biases)")
-        if cfg.get("mlp_bias"):
-            problems.append("mlp_bias=true is not supported")
-        if cfg.get("use_sliding_window"):
-            problems.append("sliding-window attention (use_sliding_window=true) is not supported")
-        layer_types = cfg.get("layer_types")
-        if layer_types and any(t != "full_attention" for t in layer_types):
-            problems.append("only full-attention layers are supported (layer_types has others)")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            problems.append(f"hidden_act {act!r} is not supported (only 'silu')")
-        n_heads = cfg.get("num_attention_heads")
-        hidden = cfg.get("hidden_size")
-        head_dim = cfg.get("head_dim")
+        rp, rp_name = r.get("rope_parameters", "object"), "rope_parameters"
+        if rp is not None and isinstance(rp.get("full_attention"), dict):
+            rp, rp_name = rp["full_attention"], "rope_parameters.full_attention"
+        for obj, name in ((rp, rp_name), (r.get("rope_scaling", "object"), "rope_scaling")):
+            if obj is None:
+                continue
+            if name != "rope_scaling":
+                rope_theta = r.get("rope_theta", "number", rope_theta, obj=obj,
+                                   name=f"{name}.rope_theta")
+            rope_type = (r.get("rope_type", "str", obj=obj, name=f"{name}.rope_type")
+                         or r.get("type", "str", obj=obj, name=f"{name}.type") or "default")
+        flags = {k: r.get(k, "bool", False) for k in ("attention_bias", "mlp_bias",
+                                                       "use_sliding_window")}
+        layer_types = r.get("layer_types", "strings")
+        act = r.get("hidden_act", "str", "silu")
+        n_heads = r.get("num_attention_heads", "int", required=True)
+        hidden = r.get("hidden_size", "int", required=True)
+        head_dim = r.get("head_dim", "int")
         if head_dim is None and isinstance(n_heads, int) and isinstance(hidden, int) and n_heads:
             head_dim = hidden // n_heads
+        ints = {k: r.get(k, "int", required=True)
+                for k in ("intermediate_size", "num_hidden_layers", "vocab_size")}
+        n_kv = r.get("num_key_value_heads", "int", n_heads)
+        max_pos = r.get("max_position_embeddings", "int", 2048)
+        eps = r.get("rms_norm_eps", "number", 1e-6)
+        tie = r.get("tie_word_embeddings", "bool", False)
+        bos, pad = r.get("bos_token_id", "int"), r.get("pad_token_id", "int")
+        dtype = r.get("dtype", "str") or r.get("torch_dtype", "str") or "bfloat16"
+        eos: list[int] = []
+        gen = Fields(generation_config or {})
+        for fr in (r, gen):
+            e = fr.get("eos_token_id", "ids", [])
+            for x in e if isinstance(e, list) else [e]:
+                if x not in eos:
+                    eos.append(x)
+        if r.problems:
+            raise ConfigError(f"{source}: " + "; ".join(r.problems))
+        if gen.problems:
+            raise ConfigError(f"{generation_source}: " + "; ".join(gen.problems))
+
+        problems: list[str] = []
+        if rope_type != "default":
+            problems.append(f"rope scaling {rope_type!r} is not supported (only plain RoPE)")
+        if flags["attention_bias"]:
+            problems.append("attention_bias=true is not supported (Qwen3/Llama without biases)")
+        if flags["mlp_bias"]:
+            problems.append("mlp_bias=true is not supported")
+        if flags["use_sliding_window"]:
+            problems.append("sliding-window attention (use_sliding_window=true) is not supported")
+        if layer_types and any(t != "full_attention" for t in layer_types):
+            problems.append("only full-attention layers are supported (layer_types has others)")
+        if act != "silu":
+            problems.append(f"hidden_act {act!r} is not supported (only 'silu')")
         if problems:
             raise ConfigError(f"{source}: " + "; ".join(problems))
-
-        eos: list[int] = []
-        for src in (cfg, generation_config or {}):
-            e = src.get("eos_token_id")
-            for x in (e if isinstance(e, list) else [e]):
-                if isinstance(x, int) and x not in eos:
-                    eos.append(x)
-        dtype = cfg.get("dtype", cfg.get("torch_dtype", "bfloat16")) or "bfloat16"
         try:
             return cls(
-                architecture=arch,
-                hidden_size=hidden,
-                intermediate_size=cfg.get("intermediate_size"),
-                num_hidden_layers=cfg.get("num_hidden_layers"),
-                num_attention_heads=n_heads,
-                num_key_value_heads=cfg.get("num_key_value_heads", n_heads),
-                head_dim=head_dim,
-                vocab_size=cfg.get("vocab_size"),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_theta),
-                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                eos_token_ids=tuple(eos),
-                bos_token_id=cfg.get("bos_token_id"),
-                pad_token_id=cfg.get("pad_token_id"),
-                dtype=str(dtype),
-            )
+                architecture=arch or "", hidden_size=hidden, num_attention_heads=n_heads,
+                num_key_value_heads=n_kv, head_dim=head_dim, **ints, rms_norm_eps=eps,
+                rope_theta=rope_theta, max_position_embeddings=max_pos,
+                tie_word_embeddings=tie, eos_token_ids=tuple(eos), bos_token_id=bos,
+                pad_token_id=pad, dtype=dtype)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` when present: its eos ids end
+        generation, so a malformed one is an error, not silently skipped)."""
         d = Path(path)
+        if not d.is_dir():
+            state = "does not exist" if not d.exists() else "is not a directory"
+            raise ConfigError(f"{d}: {state}; point --model at a Hugging Face checkpoint "
+                              "directory")
         cfg_path = d / "config.json"
         if not cfg_path.is_file():
             raise ConfigError(f"{d}: no config.json; point --model at a Hugging Face checkpoint "
                               "directory")
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
-        gen = None
+        cfg = read_json(cfg_path, ConfigError)
         gen_path = d / "generation_config.json"
-        if gen_path.is_file():
-            try:
-                gen = json.loads(gen_path.read_text())
-            except json.JSONDecodeError:
-                gen = None
-        return cls.from_dict(cfg, gen, source=str(cfg_path))
+        gen = read_json(gen_path, ConfigError) if gen_path.is_file() else None
+        return cls.from_dict(cfg, gen, source=str(cfg_path), generation_source=str(gen_path))
 
 
 BACKENDS = ("auto", "numpy", "cuda")
+NUMPY_LONG_PREFILL_TOKENS = 256
 DUPLICATE_POLICIES = ("allow", "reject")
 
 
@@ -201,6 +222,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # The most prompt tokens one request may compute in a step (vLLM's name; 0 = no cap). A cap
+    # below the budget leaves room for other requests: one long prompt cannot hold the rest back
+    # until its prefill is done. Default: 256 on numpy, where a 2048-token chunk of the embedded
+    # model takes 20-35 s on 2 cores; off on cuda.
+    long_prefill_token_threshold: int | None = None
     block_size: int = 16
     enable_prefix_caching: bool = True
     num_gpu_blocks_override: int | None = None
@@ -228,6 +254,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 = no cap), got "
+                              f"{self.long_prefill_token_threshold}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
@@ -248,14 +277,33 @@ class EngineConfig:
             raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)
 
-    def resolve(self, model_config: ModelConfig) -> EngineConfig:
-        """Fill model-dependent defaults and check the options against the model."""
+    def resolve(self, model_config: ModelConfig, backend: str | None = None) -> EngineConfig:
+        """Fill model- and backend-dependent defaults and check the options against the model.
+        ``backend`` is the concrete backend the engine runs ("auto" already resolved)."""
         mml = self.max_model_len or model_config.max_position_embeddings
         if mml > model_config.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {mml} exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings}); lower max_model_len")
-        return replace(self, max_model_len=mml)
+        backend = backend or self.backend
+        lp = self.long_prefill_token_threshold
+        if lp is None:
+            lp = NUMPY_LONG_PREFILL_TOKENS if backend == "numpy" else 0
+        return replace(self, max_model_len=mml, backend=backend, long_prefill_token_threshold=lp)
+
+    def check_kv_capacity(self, num_usable_pages: int) -> None:
+        """Refuse a KV pool that cannot hold one request of max_model_len (vLLM refuses it at
+        start-up too): otherwise requests would be accepted and fail part-way."""
+        need = self.max_pages_per_seq
+        if num_usable_pages < need:
+            assert self.max_model_len is not None
+            fits = num_usable_pages * self.block_size
+            raise ConfigError(
+                f"the KV cache holds {fits} tokens ({num_usable_pages} pages of "
+                f"{self.block_size}), fewer than one request of max_model_len "
+                f"{self.max_model_len} needs ({need} pages); lower max_model_len to at most "
+                f"{fits}, or give the cache more pages (num_gpu_blocks_override >= {need + 1}, "
+                "one is the padding page, or a higher gpu_memory_utilization)")
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -20,6 +20,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.jsonfile import json_type, read_json
+
 
 class TokenizerError(ValueError):
     """A tokenizer file cuteinfer cannot use."""
@@ -77,11 +79,17 @@ class Tokenizer:
         except Exception as e:
             raise TokenizerError(f"{path / 'tokenizer.json'} cannot be loaded: {e}") from e
         config: dict[str, Any] = {}
-        if (path / "tokenizer_config.json").is_file():
-            config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        cfg_path = path / "tokenizer_config.json"
+        if cfg_path.is_file():
+            config = read_json(cfg_path, TokenizerError)
+            _check_config(config, cfg_path)
         template = config.get("chat_template")
-        if (path / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it apart
-            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        jinja_path = path / "chat_template.jinja"
+        if jinja_path.is_file():  # transformers >= 4.43 saves it apart
+            try:
+                template = jinja_path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja_path}: cannot be read as UTF-8 text ({e})") from None
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default")
@@ -136,6 +144,32 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template rejected the conversation: {e}") from e
+
+
+def _check_config(config: Any, path: Path) -> None:
+    """Refuse a tokenizer_config.json whose fields would be misread (``"add_bos_token":
+    "false"`` is true to Python), naming the field."""
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{path}: must hold a JSON object ({{...}}), got {json_type(config)}")
+    problems = []
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        v = config.get(name)
+        if v is not None and _token_str(v) is None:
+            problems.append(f"{name} must be a string or an object with a string \"content\", "
+                            f"got {v!r:.60}")
+    v = config.get("add_bos_token")
+    if v is not None and not isinstance(v, bool):
+        problems.append(f"add_bos_token must be a JSON boolean (true or false), got {v!r:.60} "
+                        f"({json_type(v)})")
+    t = config.get("chat_template")
+    named_ok = isinstance(t, list) and all(
+        isinstance(x, dict) and isinstance(x.get("name"), str)
+        and isinstance(x.get("template"), str) for x in t)
+    if t is not None and not isinstance(t, str) and not named_ok:
+        problems.append("chat_template must be a string or an array of {\"name\": ..., "
+                        f"\"template\": ...}} objects of strings, got {t!r:.60}")
+    if problems:
+        raise TokenizerError(f"{path}: " + "; ".join(problems))
 
 
 def _raise_exception(message: str) -> None:

@@ -119,16 +119,31 @@ def dump_dot(ex: Any, bucket: int, path: str | Path) -> None:
     check(_cu().cuGraphDebugDotPrint(g.graph, str(path).encode(), 0), "cuGraphDebugDotPrint")
 
 
+def _bucket_list(text: str) -> list[int]:
+    try:
+        buckets = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a comma list of integers, got {text!r}") \
+            from None
+    if any(b < 1 for b in buckets):
+        raise argparse.ArgumentTypeError(f"buckets must be >= 1, got {text!r}")
+    return buckets
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from tools.make_checkpoint import PRESETS
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint directory")
-    src.add_argument("--preset", help="random weights in memory at a tools/make_checkpoint "
-                     "preset's shape (e.g. qwen3-8b): no files written")
+    src.add_argument("--preset", choices=sorted(PRESETS), metavar="PRESET",
+                     help="random weights in memory at a tools/make_checkpoint preset's shape "
+                     f"(one of {', '.join(sorted(PRESETS))}): no files written")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--ctx", type=int, default=512, help="context length of every sequence")
     p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--buckets", default=None, help="comma list (default: all)")
+    p.add_argument("--buckets", type=_bucket_list, default=None,
+                   help="comma list (default: all)")
     p.add_argument("--out", default="graph_profile", help="output prefix (.json, .png)")
     p.add_argument("--dot", type=int, default=None, help="dump this bucket's graph as DOT")
 
@@ -149,7 +164,7 @@ def run(a: argparse.Namespace) -> int:
         mc = ModelConfig.from_dict(hf_config(a.preset))
         ckpt = Checkpoint(Path(a.preset), mc, make_weights(mc, seed=0, threads=16))
         name = a.preset
-    buckets = [int(x) for x in a.buckets.split(",")] if a.buckets else None
+    buckets = a.buckets
     ec = EngineConfig(model=name, backend="cuda", max_num_seqs=a.max_num_seqs,
                       max_model_len=a.max_model_len, lazy_graph_capture=True,
                       num_gpu_blocks_override=a.max_num_seqs * -(-a.max_model_len // 16) + 8
@@ -162,6 +177,9 @@ def run(a: argparse.Namespace) -> int:
     Path(f"{a.out}.json").write_text(json.dumps({"meta": meta, "buckets": rows}, indent=1))
     if plot(rows, f"{a.out}.png", f"{name} on {ex.ctx.name}, ctx {a.ctx}"):
         print(f"wrote {a.out}.json and {a.out}.png", file=sys.stderr)
+    else:
+        print(f"wrote {a.out}.json; no plot: matplotlib is not installed "
+              "(pip install 'cuteinfer[profile]')", file=sys.stderr)
     if a.dot is not None:
         dump_dot(ex, a.dot, f"{a.out}_b{a.dot}.dot")
     return 0

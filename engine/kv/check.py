@@ -12,33 +12,35 @@ import time
 import traceback
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--examples", type=int, default=None, metavar="N",
+    parser.add_argument("--examples", type=_positive_int, default=None, metavar="N",
                         help="random workloads to run (default: the profile's; long: 2000)")
-    parser.add_argument("--steps", type=int, default=None, metavar="M",
+    parser.add_argument("--steps", type=_positive_int, default=None, metavar="M",
                         help="maximum steps per workload (default: the profile's; long: 120)")
     parser.add_argument("--profile", choices=("ci", "long"), default="long",
                         help="Hypothesis profile to start from (default: long)")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from hypothesis.stateful import run_state_machine_as_test
-    except ModuleNotFoundError:
-        print("check-kv needs Hypothesis: pip install 'cuteinfer[test]'")
-        return 2
+    # Without Hypothesis this raises ModuleNotFoundError, which the CLI reports with the fix.
+    from hypothesis.stateful import run_state_machine_as_test
+
     from engine.kv.testing import kv_settings, kv_state_machine, reset_coverage
 
     overrides: dict[str, object] = {}
     if args.examples is not None:
-        if args.examples < 1:
-            print(f"--examples must be >= 1, got {args.examples}")
-            return 2
         overrides["max_examples"] = args.examples
     if args.steps is not None:
-        if args.steps < 1:
-            print(f"--steps must be >= 1, got {args.steps}")
-            return 2
         overrides["stateful_step_count"] = args.steps
     chosen = kv_settings(args.profile, **overrides)
     print(f"check-kv: profile {args.profile}, {chosen.max_examples} workloads, "

@@ -85,8 +85,18 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} exists; remove it to convert again")
-    reader = GGUFReader(gguf_path)
-    meta = read_metadata(reader)
+    try:
+        return _convert(gguf_path, out_dir)
+    except GGUFConvertError as e:
+        raise GGUFConvertError(f"{gguf_path}: {e}") from None
+
+
+def _convert(gguf_path: str | Path, out_dir: Path) -> Path:
+    try:
+        reader = GGUFReader(gguf_path)
+        meta = read_metadata(reader)
+    except (ValueError, IndexError, UnicodeDecodeError) as e:  # what gguf raises on bad bytes
+        raise GGUFConvertError(f"not a readable GGUF file ({type(e).__name__}: {e})") from None
     config = hf_config(meta, {t.name for t in reader.tensors})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
@@ -149,12 +159,21 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
             raise GGUFConvertError(f"GGUF metadata lacks {arch}.{key}")
         return value
 
-    hidden, n_head = int(get("embedding_length")), int(get("attention.head_count"))
-    n_kv = get("attention.head_count_kv", n_head)
-    if isinstance(n_kv, list):
+    def num(key: str, default: Any = None, kind: type = int) -> Any:
+        value = get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise GGUFConvertError(f"GGUF metadata {arch}.{key} must be a number, got "
+                                   f"{value!r:.40}")
+        return kind(value)
+
+    if isinstance(meta.get(f"{arch}.attention.head_count_kv"), list):
         raise GGUFConvertError("per-layer attention.head_count_kv is not supported")
-    head_dim = int(get("attention.key_length", hidden // n_head))
-    if int(get("rope.dimension_count", head_dim)) != head_dim:
+    hidden, n_head = num("embedding_length"), num("attention.head_count")
+    if n_head < 1:
+        raise GGUFConvertError(f"GGUF metadata {arch}.attention.head_count must be >= 1")
+    n_kv = num("attention.head_count_kv", n_head)
+    head_dim = num("attention.key_length", hidden // n_head)
+    if num("rope.dimension_count", head_dim) != head_dim:
         raise GGUFConvertError("partial rotary embeddings (rope.dimension_count) are not supported")
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none" or "rope_freqs.weight" in tensor_names:
@@ -169,16 +188,16 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": num("feed_forward_length"),
+        "num_hidden_layers": num("block_count"),
         "num_attention_heads": n_head,
-        "num_key_value_heads": int(n_kv),
+        "num_key_value_heads": n_kv,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(num("attention.layer_norm_rms_epsilon", kind=float)),
+        "rope_theta": _f32(num("rope.freq_base", 10000.0, kind=float)),
         "rope_scaling": None,
-        "max_position_embeddings": int(get("context_length")),
+        "max_position_embeddings": num("context_length"),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "attention_bias": False,
@@ -243,7 +262,9 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     if pre not in _PRE_TOKENIZERS:
         raise GGUFConvertError(f"tokenizer.ggml.pre {pre!r} is not supported; "
                                f"supported: {sorted(_PRE_TOKENIZERS)}")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise GGUFConvertError("GGUF metadata lacks tokenizer.ggml.tokens (the vocabulary)")
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tk = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

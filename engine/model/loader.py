@@ -2,19 +2,24 @@
 
 Every tensor is checked against the config before anything is used: missing, unexpected, wrong
 shape or dtype all go into one ``CheckpointError`` that lists every problem.
+
+Shard files stay inside the checkpoint: an index entry that is absolute, climbs with ``..`` or
+resolves (through symlinks) outside the directory is refused before anything is opened. The one
+wider root is a Hugging Face hub cache snapshot, whose files are symlinks into the repository's
+``blobs/``: ``models--org--name/snapshots/<rev>/x -> ../../blobs/<hash>``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import ml_dtypes
 import numpy as np
 
 from engine.config import ModelConfig
+from engine.jsonfile import json_type, read_json
 from engine.model.safetensors_io import SafetensorsError, open_tensors
 from engine.model.spec import expected_tensors, ignorable, layer_prefix, optional_tensors
 from engine.progress import Progress
@@ -26,12 +31,12 @@ FLOAT_DTYPES = (BF16, np.dtype(np.float16), np.dtype(np.float32))
 class CheckpointError(ValueError):
     """A checkpoint that does not match its config. Lists every problem found."""
 
-    def __init__(self, path: str, problems: list[str]) -> None:
+    def __init__(self, path: str, problems: list[str],
+                 headline: str = "checkpoint does not match its config.json") -> None:
         self.problems = problems
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20
                                  else [])
-        super().__init__(f"{path}: checkpoint does not match its config.json:\n  - "
-                         + "\n  - ".join(shown))
+        super().__init__(f"{path}: {headline}:\n  - " + "\n  - ".join(shown))
 
 
 @dataclass
@@ -70,27 +75,87 @@ class Checkpoint:
         return sum(int(t.nbytes) for t in self.tensors.values())
 
 
+def _allowed_root(d: Path) -> Path:
+    real = d.resolve()
+    if real.parent.name == "snapshots" and real.parent.parent.name.startswith("models--"):
+        return real.parent.parent  # hub cache: snapshot files link into ../../blobs
+    return real
+
+
+_UNUSABLE = "checkpoint weights cannot be used"
+_INSIDE = "; weights must be files inside the checkpoint directory"
+
+
+def _confine(d: Path, root: Path, name: str) -> tuple[Path | None, str]:
+    """``d / name`` when it is a regular file inside ``root``, else (None, why not). Looks at
+    the path and stat()s it; never opens it."""
+    if not name or "\0" in name:
+        return None, f"is not a file name{_INSIDE}"
+    if PurePosixPath(name).is_absolute() or PureWindowsPath(name).anchor:
+        return None, f"is an absolute path{_INSIDE}"
+    if ".." in name.replace("\\", "/").split("/"):
+        return None, f"climbs out with '..'{_INSIDE}"
+    try:
+        real = (d / name).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        return None, f"cannot be resolved ({e})"
+    if not real.is_relative_to(root):
+        return None, f"resolves to {real}, outside the checkpoint directory{_INSIDE}"
+    if not real.exists():
+        return None, "is missing"
+    if not real.is_file():
+        return None, "is not a regular file"
+    return d / name, ""
+
+
+def _index_shards(d: Path, index: Path) -> list[Path]:
+    def fail(msg: str) -> CheckpointError:
+        return CheckpointError(str(d), [msg], _UNUSABLE)
+
+    data = read_json(index, fail)
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict):
+        got = json_type(wm) if isinstance(data, dict) else f"the file holds {json_type(data)}"
+        raise fail(f"{index.name}: needs a \"weight_map\" object {{tensor: shard file}}, "
+                   f"got {got}")
+    tensors_of: dict[str, list[str]] = {}
+    problems: list[str] = []
+    for tensor, f in wm.items():
+        if isinstance(f, str):
+            tensors_of.setdefault(f, []).append(tensor)
+        else:
+            problems.append(f"{index.name}: weight_map[{tensor!r}] is {json_type(f)}, not a "
+                            "shard file name")
+    root = _allowed_root(d)
+    files: list[Path] = []
+    for f, tensors in sorted(tensors_of.items()):
+        path, why = _confine(d, root, f)
+        if path is None:
+            more = f" (and {len(tensors) - 1} more)" if len(tensors) > 1 else ""
+            problems.append(f"{index.name}: shard {f!r} (tensor {tensors[0]}{more}) {why}")
+        else:
+            files.append(path)
+    if problems:
+        raise CheckpointError(str(d), problems, _UNUSABLE)
+    return files
+
+
 def _shard_files(d: Path) -> list[Path]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(str(d), [f"model.safetensors.index.json unreadable: {e}"]) \
-                from None
-        files = sorted(set(wm.values()))
-        missing = [f for f in files if not (d / f).is_file()]
-        if missing:
-            raise CheckpointError(str(d), [f"shard {f} listed in the index is missing"
-                                           for f in missing])
-        return [d / f for f in files]
+        return _index_shards(d, index)
+    root = _allowed_root(d)
     single = d / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(d.glob("*.safetensors"))
-    if found:
-        return found
-    raise CheckpointError(str(d), ["no model.safetensors or model.safetensors.index.json"])
+    names = ([single.name] if single.exists() or single.is_symlink()
+             else sorted(p.name for p in d.glob("*.safetensors")))
+    if not names:
+        raise CheckpointError(str(d), ["no model.safetensors or model.safetensors.index.json"],
+                              _UNUSABLE)
+    found = [(name, *_confine(d, root, name)) for name in names]
+    problems = [f"{name} {why}" for name, path, why in found if path is None]
+    if problems:
+        raise CheckpointError(str(d), problems, _UNUSABLE)
+    return [path for _, path, _ in found if path is not None]
 
 
 def load_checkpoint(path: str | os.PathLike[str], config: ModelConfig | None = None,
