@@ -62,16 +62,20 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(plist):
                 raise RequestError(f"got {len(params)} SamplingParams for {len(plist)} prompts")
-        ids = []
+        ids: list[str] = []
         try:
             for p, sp in zip(plist, params, strict=True):
                 ids.append(self.engine.add_request(p, sp).request_id)
-        except Exception:
-            for rid in ids:  # all or nothing: a bad prompt leaves no orphans behind
-                self.engine.abort(rid)
-                self.engine.pop_finished(rid)
+        except BaseException:  # all or nothing: a bad prompt (or Ctrl-C) leaves no orphans
+            self._abort_all(ids)
             raise
         return ids
+
+    def _abort_all(self, ids: Sequence[str]) -> None:
+        """Abort what is still running of ``ids`` and forget them (pages freed)."""
+        for rid in ids:
+            self.engine.abort(rid)
+            self.engine.pop_finished(rid)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -79,14 +83,14 @@ class LLM:
         """Run prompts to completion; outputs in the order of the prompts."""
         ids = self._add_all(prompts, sampling_params)
         eng = self.engine
-        pending = set(ids)
-        while pending:
-            eng.step()
-            pending = {r for r in pending if not eng.requests[r].is_finished}
-        outs = [eng.output(eng.requests[r]) for r in ids]
-        for r in ids:
-            eng.pop_finished(r)
-        return outs
+        try:
+            pending = set(ids)
+            while pending:
+                eng.step()
+                pending = {r for r in pending if not eng.requests[r].is_finished}
+            return [eng.output(eng.requests[r]) for r in ids]
+        finally:  # done, failed or interrupted (KeyboardInterrupt too): nothing left running
+            self._abort_all(ids)
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -118,9 +122,7 @@ class LLM:
                         pending.discard(rid)
                         eng.pop_finished(rid)
         finally:
-            for rid in pending:
-                eng.abort(rid)
-                eng.pop_finished(rid)
+            self._abort_all(list(pending))
 
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -29,6 +29,17 @@ class RequestError(ValueError):
     """A request the engine refuses (too long, empty, bad token ids, no tokenizer...)."""
 
 
+def check_text(text: str, field: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (``"\\ud800"``, which JSON and Python
+    strings allow) cannot reach the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{field} is not valid text: {e.reason} at character {e.start} "
+                           f"({text[e.start]!r}); send valid Unicode (lone surrogates are "
+                           "not)") from None
+
+
 @dataclass
 class StepStats:
     steps: int = 0
@@ -61,19 +72,24 @@ class LLMEngine:
         self.model_dir = model_dir
         mcfg = ModelConfig.from_pretrained(model_dir)
         self.model_config = mcfg
-        self.config = config.resolve(mcfg)
+        self.backend = resolve_backend(config.backend)
+        self.config = config.resolve(mcfg, self.backend)
         self.tokenizer = Tokenizer.from_pretrained(model_dir)
         eos = list(mcfg.eos_token_ids)
         if self.tokenizer is not None:
             eos += [t for t in self.tokenizer.eos_token_ids if t not in eos]
         self.eos_token_ids = tuple(eos)
         ckpt = load_checkpoint(model_dir, mcfg)
-        self.backend = resolve_backend(self.config.backend)
         self.executor, num_pages = self._make_executor(ckpt)
-        self.block_manager = BlockManager(
-            num_pages, self.config.block_size,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            duplicate_policy=self.config.duplicate_policy, reserve_padding_page=True)
+        try:
+            self.block_manager = BlockManager(
+                num_pages, self.config.block_size,
+                enable_prefix_caching=self.config.enable_prefix_caching,
+                duplicate_policy=self.config.duplicate_policy, reserve_padding_page=True)
+            self.config.check_kv_capacity(self.block_manager.num_pages)
+        except Exception:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(self.config.seed)
@@ -108,6 +124,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise RequestError(f"{self.model_dir} has no tokenizer.json: pass token ids "
                                    "instead of a string prompt")
+            check_text(prompt, "prompt")
             return self.tokenizer.encode(prompt), prompt
         ids = list(prompt)
         if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
@@ -133,10 +150,14 @@ class LLMEngine:
             raise RequestError(f"prompt has {len(ids)} tokens, but max_model_len is {mml} "
                                f"(it must leave room for at least one generated token); "
                                f"shorten the prompt or raise max_model_len")
-        need = -(-(len(ids) + 1) // self.config.block_size)
+        # the whole request (prompt + its output budget) must fit the pool alone, or it would
+        # be accepted and fail part-way
+        total = len(ids) + min(params.max_tokens or mml, mml - len(ids))
+        need = -(-total // self.config.block_size)
         if need > self.block_manager.num_pages:
-            raise RequestError(f"prompt needs {need} KV pages but the cache has "
-                               f"{self.block_manager.num_pages}; raise num_gpu_blocks_override")
+            raise RequestError(f"the prompt ({len(ids)} tokens) and max_tokens need {need} KV "
+                               f"pages but the cache has {self.block_manager.num_pages}; lower "
+                               "max_tokens or shorten the prompt")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request_id {rid!r} is already in use")
@@ -156,6 +177,12 @@ class LLMEngine:
         req = self.requests.get(request_id)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, FinishReason.ABORT)
+
+    @property
+    def heartbeat(self) -> int:
+        """Grows while the engine makes progress: every step, and every layer of a numpy
+        forward (a legitimate long prefill keeps it moving; a hung step does not)."""
+        return self.stats.steps + self.stats.failed_steps + self.executor.heartbeat
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -203,20 +230,28 @@ class LLMEngine:
         pl_row = 0
         for s in plan.seqs:
             req = s.request
-            if s.prompt_logprob_positions and out.prompt_logprobs is not None:
-                for p in s.prompt_logprob_positions:
+            n_pl = len(s.prompt_logprob_positions) if out.prompt_logprobs is not None else 0
+            try:
+                for i, p in enumerate(s.prompt_logprob_positions[:n_pl]):
                     req.prompt_logprobs.append(self._logprob_dict(
-                        out.prompt_logprobs, pl_row, req.prompt_token_ids[p + 1],
+                        out.prompt_logprobs, pl_row + i, req.prompt_token_ids[p + 1],
                         req.params.prompt_logprobs or 0))
-                    pl_row += 1
-            if s.sample:
-                tok = int(out.sampled[row])
-                lp = None
-                if req.params.logprobs is not None and out.logprobs is not None:
-                    lp = self._logprob_dict(out.logprobs, row, tok, req.params.logprobs)
-                row += 1
-                self._append_token(req, tok, lp)
+                if s.sample:
+                    tok = int(out.sampled[row])
+                    lp = None
+                    if req.params.logprobs is not None and out.logprobs is not None:
+                        lp = self._logprob_dict(out.logprobs, row, tok, req.params.logprobs)
+                    self._append_token(req, tok, lp)
+            except Exception as e:  # this request's output could not be processed: fail it alone
+                self.scheduler.finish(req, FinishReason.ERROR,
+                                      error=f"processing the output failed: "
+                                      f"{type(e).__name__}: {e}")
                 changed.append(req)
+            else:
+                if s.sample:
+                    changed.append(req)
+            pl_row += n_pl
+            row += int(s.sample)
         return changed
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> list[Request]:

@@ -15,6 +15,17 @@ class SamplingParamsError(ValueError):
 
 
 MAX_LOGPROBS = 20
+# Stop strings are searched in every new piece of text of the request: bounded, so that one
+# request cannot slow down every request batched with it.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_LEN = 1024  # characters
+MAX_STOP_TOKEN_IDS = 1024
+# vLLM's rule: a temperature below this is greedy (1e-40 would be 0 or inf in float32).
+GREEDY_TEMPERATURE = 1e-5
+# Top-p below this keeps exactly the top token for any vocabulary under 10^8 tokens (the top
+# token's probability is >= 1/V); clamping to it keeps the value normal in float32, where 1e-300
+# would round to 0 and keep no token at all.
+MIN_TOP_P = 1e-8
 
 
 @dataclass
@@ -56,8 +67,11 @@ class SamplingParams:
                                       f"{self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        self.top_p = max(self.top_p, MIN_TOP_P)
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**64):
@@ -73,8 +87,15 @@ class SamplingParams:
         else:
             raise SamplingParamsError("stop", f"must be a string or a list of strings, got "
                                       f"{stop!r}")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise SamplingParamsError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got "
+                                      f"{len(stops)}")
         if any(s == "" for s in stops):
             raise SamplingParamsError("stop", "stop strings must not be empty")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_STRING_LEN:
+            raise SamplingParamsError("stop", f"a stop string may have at most "
+                                      f"{MAX_STOP_STRING_LEN} characters, got one of {longest}")
         self.stop_strs = stops
         if self.stop_token_ids is None:
             self.stop_token_ids = []
@@ -82,6 +103,9 @@ class SamplingParams:
                 is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise SamplingParamsError("stop_token_ids", "must be a list of non-negative "
                                       f"integers, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise SamplingParamsError("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got "
+                                      f"{len(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

@@ -90,6 +90,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
+        # per-request prefill cap (chunked prefill only): a long prompt leaves budget to others
+        cap = (cfg.long_prefill_token_threshold or budget) if cfg.enable_chunked_prefill \
+            else budget
         seqs: list[ScheduledSeq] = []
         preempted: list[Request] = []
 
@@ -98,7 +101,7 @@ class Scheduler:
             req = self.running[i]
             start = req.num_computed_tokens
             remaining = req.num_tokens - start
-            n = min(remaining, budget)
+            n = min(remaining, budget, cap)
             tokens = req.token_slice(start, n)
             while True:
                 try:
@@ -127,7 +130,7 @@ class Scheduler:
             salt = req.salt if use_cache else f"\0nocache:{req.request_id}"
             cached = self.bm.num_cached_prefix_tokens(tokens, salt) if use_cache else 0
             remaining = len(tokens) - cached
-            n = min(remaining, budget)
+            n = min(remaining, budget, cap)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break
             need = self.bm.pages_needed_for_new(tokens, salt, num_new_tokens=n)

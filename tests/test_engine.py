@@ -68,7 +68,8 @@ def _prompts(seed=0):
     dict(max_num_batched_tokens=16),  # chunked prefill, several chunks per prompt
     dict(enable_chunked_prefill=False, max_num_batched_tokens=128),
     dict(enable_prefix_caching=False),
-    dict(num_gpu_blocks_override=11, max_num_batched_tokens=32),  # tiny pool: preemption
+    # tiny pool: preemption (10 usable pages hold one request of max_model_len 160)
+    dict(num_gpu_blocks_override=11, max_num_batched_tokens=32, max_model_len=160),
     dict(max_num_seqs=2),
 ])
 def test_batch_invariance(tiny_dir, options):

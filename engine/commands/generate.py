@@ -20,6 +20,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request computes per step (0 = no cap; "
+                   "default 256 on numpy, off on cuda)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True)
@@ -31,7 +34,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_options(a: argparse.Namespace) -> dict:
     return dict(backend=a.backend, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
+                max_num_batched_tokens=a.max_num_batched_tokens,
+                long_prefill_token_threshold=a.long_prefill_token_threshold,
+                block_size=a.block_size,
                 enable_prefix_caching=a.enable_prefix_caching,
                 num_gpu_blocks_override=a.num_gpu_blocks_override,
                 gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,

@@ -96,6 +96,9 @@ class Executor(ABC):
 
     num_pages: int
     page_size: int
+    # Progress counter, bumped at least once per layer of a forward (numpy) and once per step:
+    # the server's watchdog judges liveness by it, so a long but moving step is never "dead".
+    heartbeat: int = 0
 
     @abstractmethod
     def execute(self, batch: StepBatch) -> StepOutput: ...

@@ -65,6 +65,7 @@ class NumpyExecutor(Executor):
                 vv = vc[pages].transpose(0, 2, 1, 3).reshape(-1, vc.shape[1], vc.shape[3])[:ctx]
                 out[lo:hi] = attention(q[lo:hi], kk, vv, b.positions[lo:hi], m.scale)
             x = m.attn_out_and_mlp(li, x, out)
+            self.heartbeat += 1
         return x
 
     def execute(self, b: StepBatch) -> StepOutput:

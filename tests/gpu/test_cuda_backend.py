@@ -12,7 +12,9 @@ from engine.model.reference import ReferenceModel
 from tests.conftest import golden_names, greedy_cases, split_sequences
 from tests.tolerances import TOL
 
-CUDA_OPTS = dict(num_gpu_blocks_override=256, max_num_seqs=16, max_num_batched_tokens=512)
+# 255 usable pages hold one request of max_model_len 1024 (start-up refuses a smaller pool)
+CUDA_OPTS = dict(num_gpu_blocks_override=256, max_num_seqs=16, max_num_batched_tokens=512,
+                 max_model_len=1024)
 
 
 def _teacher_forced(llm, prompts):
