@@ -1,10 +1,12 @@
-"""AsyncEngine without HTTP: the engine thread, request streams, delta merging, aborts, and
-refusals after death."""
+"""AsyncEngine without HTTP: the engine thread, request streams, delta merging, aborts, refusals
+after death, the order in which a death is recorded and told, and what the watchdog calls a stall
+(no heartbeat while work is in flight, not a long step that keeps beating)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -117,3 +119,150 @@ def test_dead_engine_refuses_and_fails_in_flight(engine: AsyncEngine) -> None:
             await engine.add([5, 6], GREEDY, "after")
 
     asyncio.run(later())
+
+
+def test_fatal_is_recorded_before_clients_see_the_failure(engine: AsyncEngine) -> None:
+    """on_fatal (the server's exit timer) and ``fatal`` happen-before the terminal delta: a client
+    that sees its request fail and asks why finds the death recorded. The hook waits for the
+    client to see the failure (up to 1 s) so a wrong order cannot hide behind the timing."""
+    client_saw_end = threading.Event()
+    fatal: list[str] = []
+
+    def on_fatal(reason: str) -> None:
+        client_saw_end.wait(1.0)
+        fatal.append(reason)
+
+    engine.on_fatal = on_fatal
+
+    def boom() -> None:
+        raise RuntimeError("loop bug")
+
+    engine.engine.step = boom  # type: ignore[method-assign]
+
+    async def run() -> tuple[StreamDelta | None, list[str], str | None, bool]:
+        stream = await engine.add([5, 6, 7], GREEDY, "f")
+        last = None
+        async for d in stream:
+            last = d
+        seen = (last, list(fatal), engine.fatal, engine.health()[0])
+        client_saw_end.set()
+        return seen
+
+    last, fatal_then, reason, healthy = asyncio.run(run())
+    assert last is not None and last.fatal and "loop bug" in (last.error or "")
+    assert fatal_then and "loop bug" in fatal_then[0]
+    assert reason is not None and "loop bug" in reason and healthy is False
+
+
+def test_a_long_step_that_keeps_beating_is_not_a_stall(model_dir: Path) -> None:
+    """One step takes 3x the step timeout (a long prefill) but the executor's heartbeat keeps
+    moving: the engine is alive and the request completes. (A step whose heartbeat stands still
+    is declared dead: test_watchdog_declares_a_stalled_engine_dead.)"""
+    eng = make_engine(model_dir, max_model_len=64)
+    first = threading.Event()
+
+    def long_step(plan: object) -> None:
+        if first.is_set():
+            return
+        first.set()
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            eng.executor.heartbeat += 1  # what each layer of a numpy forward does
+
+    eng.fault_hook = long_step
+    ae = AsyncEngine(eng, step_timeout_s=1.0)
+    ae.start()
+    try:
+        async def run() -> StreamDelta | None:
+            stream = await ae.add([5, 6, 7], GREEDY, "long")
+            last = None
+            async for d in stream:
+                last = d
+            return last
+
+        last = asyncio.run(run())
+        assert first.is_set()
+        assert ae.fatal is None and ae.health() == (True, "ok")
+        assert last is not None and last.finish_reason == "length"
+        assert last.num_output_tokens == GREEDY.max_tokens
+    finally:
+        ae.shutdown()
+
+
+def test_time_before_start_is_not_a_stall(model_dir: Path) -> None:
+    """An AsyncEngine built, then started later (its owner loaded other things meanwhile), whose
+    first step is slow but well inside the step timeout: not a stall. The stall clock starts when
+    work arrives, not at construction."""
+    eng = make_engine(model_dir, max_model_len=64)
+    first = threading.Event()
+
+    def slow_first_step(plan: object) -> None:
+        if not first.is_set():
+            first.set()
+            time.sleep(0.4)  # no heartbeat, but less than half the step timeout
+
+    eng.fault_hook = slow_first_step
+    ae = AsyncEngine(eng, step_timeout_s=1.0)
+    time.sleep(1.5)  # built long before it serves
+    ae.start()
+    try:
+        async def run() -> StreamDelta | None:
+            stream = await ae.add([5, 6, 7], GREEDY, "late")
+            last = None
+            async for d in stream:
+                last = d
+            return last
+
+        last = asyncio.run(run())
+        assert ae.fatal is None
+        assert last is not None and last.finish_reason == "length"
+    finally:
+        ae.shutdown()
+
+
+def test_duplicate_request_id_is_refused_and_the_first_stays_tracked(model_dir: Path) -> None:
+    """A second add() with the id of a request in flight is refused up front; the first one stays
+    in the books (a shutdown or death would still give it its terminal answer) and completes."""
+    eng = make_engine(model_dir, max_model_len=128)
+    eng.fault_hook = lambda plan: time.sleep(0.01)  # 100 steps: the first stays in flight
+    ae = AsyncEngine(eng, step_timeout_s=30)
+    ae.start()
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    try:
+        async def run() -> tuple[int, StreamDelta | None]:
+            stream = await ae.add([5, 6, 7], params, "dup")
+            with pytest.raises(RequestError, match="already in use"):
+                await ae.add([8, 9], params, "dup")
+            n = ae.num_in_flight()
+            last = None
+            async for d in stream:
+                last = d
+            return n, last
+
+        n, last = asyncio.run(run())
+        assert n == 1
+        assert last is not None and last.finish_reason == "length"
+        assert wait_for(lambda: ae.num_in_flight() == 0)
+    finally:
+        ae.shutdown()
+
+
+def test_drain_lets_in_flight_finish_and_refuses_new(engine: AsyncEngine) -> None:
+    """stop_accepting(): new requests get EngineDeadError (503) and health says why, while the
+    request in flight runs to its normal end; wait_idle() returns once its end was posted."""
+    async def run() -> StreamDelta | None:
+        stream = await engine.add([5, 6, 7], GREEDY, "in-flight")
+        engine.stop_accepting()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            await engine.add([5, 6], GREEDY, "new")
+        last = None
+        async for d in stream:
+            last = d
+        return last
+
+    assert engine.health() == (True, "ok")
+    last = asyncio.run(run())
+    assert last is not None and last.finish_reason == "length" and not last.fatal
+    assert engine.wait_idle(10) and engine.num_in_flight() == 0
+    assert engine.health() == (False, "the server is shutting down")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,10 +27,11 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import StepPlan  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
+    free_port,
     http,
     make_engine,
     running_server,
-    wait_for,
+    wait_healthy,
     wait_idle,
     write_test_checkpoint,
 )
@@ -210,32 +210,16 @@ SERVE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    """Until the server subprocess answers /health with 200 (fails if it exits first)."""
-    def up() -> bool:
-        try:
-            return http("GET", f"{url}/health", timeout=2)[0] == 200
-        except OSError:
-            return proc.poll() is not None
-    assert wait_for(up, timeout=60, interval=0.2) and proc.poll() is None
-
-
 def test_dead_engine_loop_gives_503_and_nonzero_exit(model_dir: Path, tmp_path: Path) -> None:
     script = tmp_path / "serve.py"
     script.write_text(SERVE_SCRIPT.format(poison=POISON))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, str(script), str(model_dir), str(port)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         status, body = http("POST", f"{url}/v1/completions", {"prompt": [5, 6], "max_tokens": 2})
         assert status == 200
         status, body = http("POST", f"{url}/v1/completions",
@@ -254,21 +238,25 @@ def test_dead_engine_loop_gives_503_and_nonzero_exit(model_dir: Path, tmp_path: 
 
 def test_cli_serve_starts_and_stops_cleanly(model_dir: Path) -> None:
     """`cuteinfer serve` itself: serves, and exits 0 on SIGTERM (a supervisor's normal stop)."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "engine.cli", "serve", "--model", str(model_dir), "--backend",
-         "numpy", "--port", str(port), "--max-model-len", "128", "--log-level", "warning"],
+         "numpy", "--port", str(port), "--max-model-len", "128", "--log-level", "warning",
+         "--max-request-bytes", "4096"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
-        _wait_healthy(proc, url)
+        wait_healthy(proc, url)
         status, body = http("GET", f"{url}/v1/models")
         assert status == 200 and body["data"][0]["id"] == model_dir.name
         assert body["data"][0]["max_model_len"] == 128
         status, body = http("POST", f"{url}/v1/completions",
                             {"model": model_dir.name, "prompt": [5, 6], "max_tokens": 2})
         assert status == 200 and body["usage"]["completion_tokens"] == 2
+        status, body = http("POST", f"{url}/v1/completions",  # over --max-request-bytes
+                            {"model": model_dir.name, "prompt": [5] * 2000, "max_tokens": 2})
+        assert status == 413 and "4096" in body["error"]["message"], body
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
     finally:

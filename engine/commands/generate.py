@@ -12,6 +12,17 @@ import sys
 import time
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine options shared by generate and serve (vLLM's names)."""
     p.add_argument("--model", default="", help="Hugging Face checkpoint directory "

@@ -1,14 +1,19 @@
 """The FastAPI application: OpenAI routes, /health, /metrics, and errors as OpenAI's error JSON.
 
 Whatever a client sends is answered with a 2xx or a 4xx: validation failures (pydantic, bad JSON)
-become 400 ``invalid_request_error``; 5xx is kept for the server's own faults (a failed engine
-step: 500; a dead or stalled engine: 503).
+become 400 ``invalid_request_error``; a body over ``--max-request-bytes`` is refused with 413 by
+an ASGI middleware before anything parses it; 5xx is kept for the server's own faults (a failed
+engine step: 500; a dead or stalled engine: 503; a bug: 500 with an opaque error id, the details
+logged under it).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,10 +21,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.server.async_engine import AsyncEngine
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
+    INVALID_TEXT,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,37 +36,148 @@ from engine.server.serving import OpenAIServing
 
 log = logging.getLogger("cuteinfer.server")
 
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
+    413: {"model": ErrorResponse, "description": "the body is over --max-request-bytes"},
     500: {"model": ErrorResponse, "description": "the engine step serving it failed"},
     503: {"model": ErrorResponse, "description": "the engine is dead or shutting down"},
 }
 
 
+def _error_json(body: dict[str, Any]) -> bytes:
+    # ASCII escapes: an error may quote client text, and must render whatever that text is
+    return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode()
+
+
+class ErrorJSONResponse(JSONResponse):
+    def render(self, content: Any) -> bytes:
+        return _error_json(content)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: a request body over ``limit`` bytes is answered 413 (OpenAI's error
+    JSON) before the app sees any of it: at once when Content-Length says so, else (chunked) as
+    soon as the bytes received pass the limit. The body is read here, counted, then replayed to
+    the app in one piece (which reads it whole anyway); the rest of a refused body is discarded
+    by the HTTP server as it arrives, so nothing past the limit is ever held."""
+
+    def __init__(self, app: ASGIApp, limit: int,
+                 on_refuse: Callable[[int], None] | None = None) -> None:
+        self.app = app
+        self.limit = limit
+        self.on_refuse = on_refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.limit:
+            await self._refuse(send, f"the request body is {declared} bytes, over")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(send, "the request body is over")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: bytes | None = b"".join(chunks)
+        del chunks  # not held while the app runs
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is None:
+                return await receive()  # http.disconnect, for the handlers that watch for it
+            whole: Message = {"type": "http.request", "body": body, "more_body": False}
+            body = None
+            return whole
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send, what: str) -> None:
+        if self.on_refuse is not None:
+            self.on_refuse(413)
+        e = APIError(f"{what} this server's limit of {self.limit} bytes: send a smaller request, "
+                     "or start the server with a larger --max-request-bytes", 413,
+                     code="request_too_large")
+        content = _error_json(e.body())
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content})
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None  # the HTTP server refuses it before the app runs
+    return None
+
+
+def _is_union_tag(x: object) -> bool:
+    # pydantic names the member of a union in the error location ("str", "list[int]",
+    # "function-after[_text(), str]"): not a field a client wrote
+    return isinstance(x, str) and (not x.isidentifier() or x in ("str", "int", "float", "bool"))
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts = []
+    """One message and the ``param`` for pydantic's errors: union members left out of the
+    location, and of a union's errors only those about the value (too long, invalid text) when
+    some are, not "should be a valid list" from the members that did not match its type."""
+    errors = []
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
+        kind = str(err.get("type", ""))
+        msg = INVALID_TEXT if kind in ("invalid_text", "string_unicode") else str(err.get("msg"))
+        errors.append((".".join(loc), kind.endswith("_type"), msg))
+    about_value = {where.split(".")[0] for where, is_type, _ in errors if not is_type}
+    parts: list[str] = []
     param = None
-    for err in exc.errors()[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        where = ".".join(loc)
-        param = param or where or None
-        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request", param
+    for where, is_type, msg in errors:
+        if is_type and where.split(".")[0] in about_value:
+            continue
+        part = f"{where}: {msg}" if where else msg
+        if part not in parts:
+            parts.append(part)
+            param = param or where or None
+    return "; ".join(parts[:5]) or "invalid request", param
 
 
 def build_app(engine: AsyncEngine, served_model_name: str,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, *,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """``max_request_bytes``: the largest request body accepted (``--max-request-bytes``)."""
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) \
+            or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be a positive number of bytes, got "
+                         f"{max_request_bytes!r}: set --max-request-bytes to, e.g., "
+                         f"{DEFAULT_MAX_REQUEST_BYTES}")
     app = FastAPI(title="cuteinfer", summary="OpenAI-compatible LLM inference server",
                   version="0.1.0")
     serving = OpenAIServing(engine, served_model_name)
     created = int(time.time())
     app.state.engine = engine
     app.state.metrics = metrics
+    app.add_middleware(BodyLimit, limit=max_request_bytes,
+                       on_refuse=None if metrics is None else metrics.refused)
 
     def error(e: APIError) -> JSONResponse:
         if metrics is not None and e.status in (400, 503):
             metrics.refused(e.status)
-        return JSONResponse(e.body(), status_code=e.status)
+        return ErrorJSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -74,15 +192,17 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
-        return JSONResponse(APIError(str(exc.detail), exc.status_code, type=kind).body(),
-                            status_code=exc.status_code, headers=exc.headers)
+        return ErrorJSONResponse(APIError(str(exc.detail), exc.status_code, type=kind).body(),
+                                 status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(APIError(f"internal error: {type(exc).__name__}: {exc}", 500,
-                                     type="server_error", code="internal_error").body(),
-                            status_code=500)
+        # the client gets an id to quote, never the exception (paths, internals): the log has it
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        log.exception("internal error %s in %s %s", error_id, request.method, request.url.path)
+        return ErrorJSONResponse(APIError(
+            f"internal server error (error id {error_id}); the server log has the details under "
+            "this id", 500, type="server_error", code="internal_error").body(), status_code=500)
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -98,7 +218,7 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": served_model_name, "object": "model", "created": created,
-            "owned_by": "cuteinfer", "root": str(engine.engine.model_dir),
+            "owned_by": "cuteinfer", "root": served_model_name,
             "max_model_len": serving.max_model_len}]}
 
     @app.get("/health", responses={503: {"description": "the engine is dead or stalled"}})

@@ -6,12 +6,22 @@
     async for delta in stream  <----- deltas ---  engine.step(): changed requests -> StreamDelta
     stream.abort() (disconnect) ---- abort ---->  engine.abort + pop_finished (pages freed)
 
-Nothing but the engine thread touches the engine after ``start()``; the rest of the server reads
-the ``snapshot()`` it publishes. A step exception fails only that step's requests (the engine
-finishes them with ``"error"``). A watchdog thread declares the engine dead when the loop thread
-has exited, or has made no progress for ``step_timeout_s`` while requests are in flight; every
-request still in flight then gets a terminal error, ``health()`` turns false for good, and
-``on_fatal`` lets the server drain and exit non-zero so a supervisor restarts it.
+Nothing but the engine thread touches the engine after ``start()`` (the watchdog only reads the
+``heartbeat`` int); the rest of the server reads the ``snapshot()`` it publishes. A step exception
+fails only that step's requests (the engine finishes them with ``"error"``).
+
+Lifecycle: serving -> ``stop_accepting()`` (new requests EngineDeadError, i.e. 503; the loop keeps
+running those in flight; ``wait_idle()`` waits for them) -> ``shutdown()`` (what is still in flight
+gets a terminal 503-style error; the loop exits). Dead is the other way out: the loop thread
+raised, or the watchdog saw work in flight while ``engine.heartbeat`` stood still for
+``step_timeout_s`` (it grows every step and every layer of a numpy forward, so a 70 s prefill is
+alive and a hung step is not). Every request in flight then gets a terminal error, ``health()``
+turns false for good, and ``on_fatal`` lets the server drain and exit non-zero.
+
+Ordering (what a client may rely on): every state change a terminal item reports (``fatal``,
+``on_fatal``, ``health()``, ``on_finish``) is made before it is posted to the event loop, and a
+stream leaves the books (``num_in_flight()``, ``wait_idle()``) when its terminal item reaches it
+on the loop: before its client can see the end, never before the end was delivered.
 """
 
 from __future__ import annotations
@@ -23,37 +33,23 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, RequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.server.stream import ACCEPTED, EngineDeadError, RequestStream, StreamDelta
+from engine.server.stream import (
+    ACCEPTED,
+    DeltaCursor,
+    EngineDeadError,
+    RequestStream,
+    StreamDelta,
+    deliver,
+)
 
 log = logging.getLogger("cuteinfer.server")
 
-
-@dataclass
-class _Tracked:
-    stream: RequestStream
-    req: Request
-    sent_text: int = 0
-    sent_tokens: int = 0
-
-    def delta(self, text: str) -> StreamDelta:
-        req = self.req
-        toks = req.output_token_ids
-        new_text = text[self.sent_text:]
-        self.sent_text = max(self.sent_text, len(text))
-        new_toks = list(toks[self.sent_tokens:])
-        lps = list(req.logprobs[self.sent_tokens:]) if req.params.logprobs is not None else None
-        self.sent_tokens = len(toks)
-        return StreamDelta(
-            new_text, new_toks, lps, req.is_finished,
-            req.finish_reason.value if req.finish_reason else None, req.stop_reason, req.error,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(toks),
-            num_cached_tokens=req.num_cached_tokens)
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class AsyncEngine:
@@ -63,17 +59,19 @@ class AsyncEngine:
                  snapshot_interval_s: float = 0.1) -> None:
         self.engine = engine
         self.step_timeout_s = step_timeout_s
-        self.on_fatal = on_fatal
+        self.on_fatal = on_fatal  # called once, before any client can see the failure
         self.on_finish = on_finish  # called on the engine thread with each finished request
         self.snapshot_interval_s = snapshot_interval_s
         self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards the fields below
+        self._idle = threading.Condition(self._lock)  # notified when _streams empties
         self._streams: dict[str, RequestStream] = {}  # in flight, from add() to a terminal item
-        self._tracked: dict[str, _Tracked] = {}  # accepted requests; engine thread only
+        self._busy_since = 0.0  # when _streams last went from empty to non-empty
         self._fatal: str | None = None
-        self._stopping = False
+        self._refusing: str | None = None  # why add() refuses (draining or shut down)
+        self._stopping = False  # the loop thread should exit
+        self._tracked: dict[str, DeltaCursor] = {}  # accepted requests; engine thread only
         self._stop_watch = threading.Event()
-        self._progress_at = time.monotonic()
         self._snapshot: dict[str, Any] = {}
         self._snapshot_at = 0.0
         self._thread = threading.Thread(target=self._run, name="cuteinfer-engine", daemon=True)
@@ -86,16 +84,32 @@ class AsyncEngine:
         self._thread.start()
         self._watchdog.start()
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the loop; requests still in flight get a 503-style terminal error."""
+    def stop_accepting(self, reason: str = SHUTTING_DOWN) -> None:
+        """Refuse new requests from now on (EngineDeadError: 503) and report unhealthy; those
+        in flight keep running. The first step of a graceful shutdown."""
         with self._lock:
+            if self._refusing is None:
+                self._refusing = reason
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is in flight (each one's terminal item reached its stream);
+        False if ``timeout`` seconds passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._streams, timeout)
+
+    def shutdown(self, reason: str = SHUTTING_DOWN, timeout: float = 5.0) -> None:
+        """Stop the loop; requests still in flight get a 503-style terminal error. Waits up to
+        ``timeout`` for the loop thread (0: not at all) to finish the step it is in. Idempotent."""
+        with self._lock:
+            if self._refusing is None:
+                self._refusing = reason
             self._stopping = True
-            streams = list(self._streams.values())
-            self._streams.clear()
-        self._fail(streams, "the server is shutting down")
+            streams = self._take_streams()
+        self._fail(streams, reason)
         self._commands.put(("wake",))
         self._stop_watch.set()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+        on_loop = threading.current_thread() is self._thread
+        if timeout > 0 and self._thread.is_alive() and not on_loop:
             self._thread.join(timeout)
 
     @property
@@ -106,8 +120,8 @@ class AsyncEngine:
     def health(self) -> tuple[bool, str]:
         if self._fatal is not None:
             return False, self._fatal
-        if self._stopping:
-            return False, "the server is shutting down"
+        if self._refusing is not None:
+            return False, self._refusing
         if not self._thread.is_alive():
             return False, "the engine loop is not running"
         return True, "ok"
@@ -129,8 +143,13 @@ class AsyncEngine:
         with self._lock:
             if self._fatal is not None:
                 raise EngineDeadError(f"the engine is dead ({self._fatal})")
-            if self._stopping:
-                raise EngineDeadError("the server is shutting down")
+            if self._refusing is not None:
+                raise EngineDeadError(self._refusing)
+            if request_id in self._streams:  # the engine would refuse it too, too late: by then
+                # the first request's stream would be gone from the books
+                raise RequestError(f"request_id {request_id!r} is already in use")
+            if not self._streams:
+                self._busy_since = time.monotonic()
             self._streams[request_id] = stream
             self._commands.put(("add", stream, list(prompt_token_ids), params))
         try:
@@ -140,10 +159,17 @@ class AsyncEngine:
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, stream: RequestStream) -> None:
+        self.release(stream)
+        self._commands.put(("abort", stream.request_id))
+
+    def release(self, stream: RequestStream) -> None:
+        """``stream`` ended (its terminal item reached it, or it was aborted): off the books."""
         with self._lock:
-            self._streams.pop(request_id, None)
-        self._commands.put(("abort", request_id))
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+                if not self._streams:
+                    self._idle.notify_all()
 
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -154,14 +180,9 @@ class AsyncEngine:
                 if self._fatal is not None or self._stopping:
                     return
                 if not eng.has_unfinished():
-                    self._progress_at = time.monotonic()
                     self._refresh_snapshot(force=True)
                     continue
-                before = (eng.stats.steps, eng.stats.failed_steps)
-                changed = eng.step()
-                if changed or (eng.stats.steps, eng.stats.failed_steps) != before:
-                    self._progress_at = time.monotonic()
-                self._publish(changed)
+                self._publish(eng.step())
                 self._refresh_snapshot()
         except BaseException as e:  # the loop itself failed: nothing can be served any more
             log.error("engine loop died:\n%s", traceback.format_exc())
@@ -182,18 +203,16 @@ class AsyncEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-        _deliver(posts)
+        deliver(posts)
 
     def _do_add(self, stream: RequestStream, ids: list[int], params: SamplingParams,
                 posts: list[tuple[RequestStream, Any]]) -> None:
         try:
             req = self.engine.add_request(ids, params, request_id=stream.request_id)
         except Exception as e:  # refused: the handler turns it into a 400 (or a 500 if a bug)
-            with self._lock:
-                self._streams.pop(stream.request_id, None)
             posts.append((stream, e))
             return
-        self._tracked[req.request_id] = _Tracked(stream, req)
+        self._tracked[req.request_id] = DeltaCursor(stream, req)
         posts.append((stream, ACCEPTED))
 
     def _do_abort(self, request_id: str) -> None:
@@ -219,11 +238,16 @@ class AsyncEngine:
             if req.is_finished:
                 del self._tracked[rid]
                 eng.pop_finished(rid)
-                with self._lock:
-                    self._streams.pop(rid, None)
                 if self.on_finish is not None:
                     self.on_finish(req)
-        _deliver(posts)
+        deliver(posts)
+
+    def _take_streams(self) -> list[RequestStream]:
+        """All streams in flight, leaving none (holding ``_lock``)."""
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self._idle.notify_all()
+        return streams
 
     def _refresh_snapshot(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -242,18 +266,27 @@ class AsyncEngine:
 
     # -- death -----------------------------------------------------------------------------------
     def _watch(self) -> None:
+        """Stalled = work in flight and ``engine.heartbeat`` unchanged for ``step_timeout_s``,
+        counted from the later of its last change (as seen here) and the moment work arrived:
+        time spent idle, or before ``start()``, is no stall."""
         interval = min(1.0, max(0.05, self.step_timeout_s / 4))
+        beat, moved_at = self.engine.heartbeat, time.monotonic()
         while not self._stop_watch.wait(interval):
             if self._fatal is not None or self._stopping:
                 return
             if not self._thread.is_alive():
                 self._die("the engine loop thread exited")
                 return
-            stalled = time.monotonic() - self._progress_at
-            if self._streams and stalled > self.step_timeout_s:
-                self._die(f"the engine made no progress for {stalled:.1f}s with "
-                          f"{len(self._streams)} request(s) in flight (step timeout "
-                          f"{self.step_timeout_s:g}s)")
+            now = time.monotonic()
+            b = self.engine.heartbeat
+            if b != beat:
+                beat, moved_at = b, now
+                continue
+            stalled = now - max(moved_at, self._busy_since)
+            n = len(self._streams)
+            if n and stalled > self.step_timeout_s:
+                self._die(f"the engine made no progress for {stalled:.1f}s with {n} "
+                          f"request(s) in flight (step timeout {self.step_timeout_s:g}s)")
                 return
 
     def _die(self, reason: str) -> None:
@@ -261,12 +294,15 @@ class AsyncEngine:
             if self._fatal is not None:
                 return
             self._fatal = reason
-            streams = list(self._streams.values())
-            self._streams.clear()
+            streams = self._take_streams()
         log.error("engine is dead: %s; failing %d request(s) in flight", reason, len(streams))
-        self._fail(streams, reason)
-        if self.on_fatal is not None:
-            self.on_fatal(reason)
+        try:
+            if self.on_fatal is not None:  # before the clients hear of it: they may ask
+                self.on_fatal(reason)
+        except Exception:
+            log.exception("on_fatal failed")
+        finally:
+            self._fail(streams, reason)
 
     def _fail(self, streams: list[RequestStream], reason: str) -> None:
         err = EngineDeadError(reason)
@@ -275,21 +311,4 @@ class AsyncEngine:
             # a stream not yet accepted gets the exception; an accepted one, a terminal delta
             posts.append((s, err))
             posts.append((s, StreamDelta("", [], None, True, "error", None, reason, fatal=True)))
-        _deliver(posts)
-
-
-def _deliver(posts: list[tuple[RequestStream, Any]]) -> None:
-    """Hand items to their streams' event loops: one wake-up per loop per batch."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-    for s, item in posts:
-        by_loop.setdefault(s.loop, []).append((s, item))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-
-def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
-    for s, item in items:
-        s.push(item)
+        deliver(posts)

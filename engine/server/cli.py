@@ -3,7 +3,9 @@
     cuteinfer serve [--model DIR] [--host H] [--port P] [engine options]
 
 With no --model it serves the embedded default model (SmolLM2-135M-Instruct), as ``generate``
-does. Exits non-zero when the engine dies or stalls, so a supervisor can restart it.
+does. SIGTERM / SIGINT drain (new requests 503, those in flight get up to --shutdown-grace seconds
+to finish, the rest a 503) and exit 0; exits non-zero when the engine dies or stalls, so a
+supervisor can restart it.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
-from engine.commands.generate import add_engine_arguments, engine_options
+from engine.commands.generate import add_engine_arguments, engine_options, positive_int
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.server.app import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.launch import OpenAIServer  # fastapi / uvicorn: the `server` extra
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -30,11 +33,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model name clients send (default: the checkpoint directory name, "
                    f"or {DEFAULT_MODEL_NAME} for the embedded default)")
     p.add_argument("--engine-step-timeout", type=float, default=120.0, metavar="S",
-                   help="declare the engine dead after S seconds without progress while "
-                   "requests are in flight (default 120)")
+                   help="declare the engine dead when requests are in flight and it made no "
+                   "progress (no step, no layer of a forward) for S seconds (default 120)")
+    p.add_argument("--max-request-bytes", type=positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   metavar="N", help="refuse request bodies over N bytes with 413, before "
+                   "parsing them (default 16 MiB)")
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
-                   help="after a fatal engine error, keep answering 503 for S seconds before "
-                   "exiting (default 5)")
+                   help="on SIGTERM / SIGINT, give requests in flight up to S seconds to finish "
+                   "(new ones get 503) before failing the rest with 503 and exiting; after a "
+                   "fatal engine error, keep answering 503 for S seconds before exiting "
+                   "(default 5)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -53,7 +61,7 @@ def run(a: argparse.Namespace) -> int:
     server = OpenAIServer(eng, host=a.host, port=a.port, served_model_name=name,
                           step_timeout_s=a.engine_step_timeout,
                           shutdown_grace_s=a.shutdown_grace, log_level=a.log_level,
-                          access_log=a.access_log)
+                          access_log=a.access_log, max_request_bytes=a.max_request_bytes)
     code = server.run()
     if code:
         print(f"[cuteinfer] exiting with status {code}: {server.async_engine.fatal}",

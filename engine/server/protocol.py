@@ -4,15 +4,38 @@ sampling fields onto ``SamplingParams``.
 Types are strict, as OpenAI's API is: ``"max_tokens": "5"`` is a 400, not a coerced 5. Unknown
 fields are accepted and ignored (clients send vendor extras); fields the engine cannot honor
 (``n`` > 1, penalties, ``logit_bias``, ``echo``, tools...) are refused with a 400 that names them.
+
+Everything a client controls is bounded (the MAX_* below; the body as a whole by
+``--max-request-bytes``), so one request cannot make a step slow for the batch it joins, and every
+string that reaches the tokenizer, the chat template or the engine is valid Unicode: JSON can spell
+a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode (400, naming the field).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic_core import PydanticCustomError
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    SamplingParamsError,
+)
+
+# MAX_STOP_* and MAX_LOGPROBS are the engine's (SamplingParams checks them too); these the API's
+MAX_LOGIT_BIAS = 1024  # entries (refused anyway while logit_bias is unsupported)
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 256  # per message
+MAX_NAME_LEN = 1024  # model, user, message name (characters)
+MAX_ROLE_LEN = 64  # role and content part type
+MAX_TOOLS = 128  # refused anyway while tools are unsupported
+MAX_TEMPLATE_KWARGS = 64  # keys of chat_template_kwargs
+MAX_TEMPLATE_KWARGS_SIZE = 65536  # chat_template_kwargs: string characters + one per value
 
 
 class APIError(Exception):
@@ -44,6 +67,63 @@ def server_error(message: str) -> APIError:
     return APIError(message, 500, type="server_error", code="internal_error")
 
 
+INVALID_TEXT = ("invalid text: it contains a lone UTF-16 surrogate (such as \\ud800), which is "
+                "not a Unicode character; send valid Unicode text")
+
+
+def is_text(s: str) -> bool:
+    """True unless ``s`` holds a lone surrogate (what no UTF-8 encoder, hence no tokenizer,
+    accepts)."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _text(s: str) -> str:
+    if not is_text(s):
+        raise PydanticCustomError("invalid_text", INVALID_TEXT)
+    return s
+
+
+Text = Annotated[str, AfterValidator(_text)]
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_LEN), AfterValidator(_text)]
+Role = Annotated[str, StringConstraints(max_length=MAX_ROLE_LEN), AfterValidator(_text)]
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_LEN),
+                       AfterValidator(_text)]
+
+
+def check_json_text(value: Any, where: str, max_size: int | None = None) -> None:
+    """Free-form JSON a client sends on to the chat template (``chat_template_kwargs``, message
+    fields the model does not declare): valid text throughout, and at most ``max_size`` (string
+    characters plus one per value) when given. Iterative: JSON may nest deeper than the stack."""
+    stack: list[tuple[str, Any]] = [(where, value)]
+    size = 0
+    while stack:
+        path, v = stack.pop()
+        size += 1
+        if isinstance(v, str):
+            size += len(v)
+            if not is_text(v):
+                raise bad_request(f"{path}: {INVALID_TEXT}", path)
+        elif isinstance(v, dict):
+            size += len(v)
+            for k in v:
+                if not is_text(k):
+                    raise bad_request(f"{path}: a key is {INVALID_TEXT}", path)
+                size += len(k)
+            stack.extend((f"{path}.{k}", x) for k, x in v.items())
+        elif isinstance(v, list):
+            size += len(v)
+            stack.extend((f"{path}.{i}", x) for i, x in enumerate(v))
+        if max_size is not None and size > max_size:
+            raise bad_request(f"{where} is too large: at most {max_size} (string characters plus "
+                              "one per value) is allowed", where)
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -66,23 +146,23 @@ class StreamOptions(_Body):
 class _SamplingBody(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then vLLM's)."""
 
-    model: str | None = None
+    model: Name | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    user: Name | None = None
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
 
@@ -125,12 +205,12 @@ class CompletionRequest(_SamplingBody):
     """POST /v1/completions. ``prompt``: a string, a list of token ids, or a one-element list of
     either (batches of prompts are refused: send one request per prompt)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -154,28 +234,28 @@ class CompletionRequest(_SamplingBody):
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    type: Role
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    role: Role
+    content: Text | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: Name | None = None
 
 
 class ChatCompletionRequest(_SamplingBody):
     """POST /v1/chat/completions, rendered with the checkpoint's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     response_format: dict[str, Any] | None = None
     # vLLM's extras: template variables (Qwen3: enable_thinking) and the generation prompt
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
     add_generation_prompt: bool | None = True
 
     def check_supported(self) -> None:
@@ -196,10 +276,22 @@ class ChatCompletionRequest(_SamplingBody):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """chat_template_kwargs, checked: the template sees them as variables."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for reserved in ("messages", "tools", "documents", "add_generation_prompt"):
+            if reserved in kwargs:
+                raise bad_request(f"chat_template_kwargs may not set {reserved!r}",
+                                  "chat_template_kwargs")
+        check_json_text(kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_SIZE)
+        return kwargs
+
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them: content parts joined into text."""
         out = []
         for i, m in enumerate(self.messages):
+            if m.model_extra:  # e.g. reasoning_content, tool_calls: the template may read them
+                check_json_text(m.model_extra, f"messages.{i}")
             d = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
                 texts = []

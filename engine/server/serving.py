@@ -2,6 +2,13 @@
 OpenAI's response JSON, or its server-sent-event chunks (``data: {...}`` ... ``data: [DONE]``).
 
 A client that disconnects aborts its request (pages freed at once), streaming or not.
+
+Tokenizing and rendering the chat template run on worker threads (``asyncio.to_thread``): a long
+prompt costs seconds of tokenizer time (about 1 s a MB), which on the event loop would stall every
+route, /health included; and the tokenizer call is one that releases the GIL (``Tokenizer.encode``),
+else even a worker thread stalls the loop. Prompt length is checked as early as it is known: token
+ids by their count first; text by its UTF-8 size before tokenizing, against a bound no
+tokenization can fit under (``max_prompt_bytes``).
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from engine.request import LogprobDict
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.server.async_engine import AsyncEngine
 from engine.server.protocol import (
+    INVALID_TEXT,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
+    is_text,
     server_error,
     unavailable,
 )
@@ -35,8 +44,13 @@ from engine.server.render import (
     usage,
 )
 from engine.server.stream import EngineDeadError, RequestStream, StreamDelta
+from engine.tokenizer import Tokenizer
 
 DONE = b"data: [DONE]\n\n"
+# A token covers at most the UTF-8 bytes of its longest vocabulary string (byte-level and
+# SentencePiece spellings are no shorter than the bytes they stand for); the margin is for
+# normalizers that shrink text (NFC composes up to 3 code points into one: at most 3x).
+NORMALIZER_MARGIN = 4
 
 
 class OpenAIServing:
@@ -46,6 +60,9 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer  # encode / templates are thread-safe reads
         self.max_model_len: int = engine.engine.config.max_model_len or 0
         self.vocab_size = engine.engine.model_config.vocab_size
+        # text longer than this (UTF-8 bytes) cannot tokenize to fewer than max_model_len tokens
+        self.max_prompt_bytes = 0 if self.tokenizer is None else (
+            self.max_model_len * self.tokenizer.max_token_bytes * NORMALIZER_MARGIN)
 
     # -- shared checks ---------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -67,6 +84,19 @@ class OpenAIServing:
                               f"prompt, {max_tokens} for the completion); reduce the prompt "
                               f"or {field}", field, "context_length_exceeded")
 
+    def check_text_size(self, text: str, field: str) -> None:
+        """Refuses text too large for any tokenization of it to fit, without tokenizing it."""
+        limit = self.max_prompt_bytes
+        if len(text) * 4 <= limit:  # UTF-8 takes at most 4 bytes a character
+            return
+        size = len(text.encode("utf-8"))
+        if size > limit:
+            what = "the prompt" if field == "prompt" else "the rendered conversation"
+            raise bad_request(f"{what} is {size} bytes of text, more than any prompt that fits "
+                              f"this model's maximum context length of {self.max_model_len} "
+                              f"tokens can be (at most {limit} bytes with this vocabulary); "
+                              "shorten the prompt", field, "context_length_exceeded")
+
     async def _start(self, ids: list[int], params: SamplingParams, rid: str) -> RequestStream:
         try:
             return await self.engine.add(ids, params, rid)
@@ -77,14 +107,17 @@ class OpenAIServing:
 
     # -- /v1/completions -------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        prompt = body.single_prompt()
+        if not isinstance(prompt, str):  # token ids: their count is known before anything else
+            self.check_length(len(prompt), body.max_tokens, "max_tokens")
         self.check_model(body.model)
         body.check_supported()
-        prompt = body.single_prompt()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise bad_request("this model has no tokenizer: send the prompt as a list of "
                                   "token ids", "prompt")
-            ids = self.tokenizer.encode(prompt)
+            self.check_text_size(prompt, "prompt")
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
         else:
             ids = list(prompt)
         if not ids:
@@ -131,18 +164,9 @@ class OpenAIServing:
             raise bad_request("this model has no chat template: use /v1/completions",
                               "messages")
         messages = body.template_messages()
-        kwargs = dict(body.chat_template_kwargs or {})
-        for reserved in ("messages", "tools", "documents", "add_generation_prompt"):
-            if reserved in kwargs:
-                raise bad_request(f"chat_template_kwargs may not set {reserved!r}",
-                                  "chat_template_kwargs")
-        try:
-            text = tok.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt is not False, **kwargs)
-        except Exception as e:  # the template is user-facing input validation (raise_exception)
-            raise bad_request(f"the chat template could not render these messages: {e}",
-                              "messages") from None
-        ids = tok.encode(text, add_special_tokens=False)
+        kwargs = body.template_kwargs()
+        ids = await asyncio.to_thread(self._render, tok, messages,
+                                      body.add_generation_prompt is not False, kwargs)
         if not ids:
             raise bad_request("the rendered conversation is empty", "messages")
         limit = body.output_limit()
@@ -166,6 +190,20 @@ class OpenAIServing:
         choice = {"index": 0, "message": {"role": "assistant", "content": d.text},
                   "logprobs": lp, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
         return JSONResponse({**head, "choices": [choice], "usage": usage(d)})
+
+    def _render(self, tok: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                kwargs: dict[str, Any]) -> list[int]:
+        """Worker thread: the conversation through the chat template, then the tokenizer."""
+        try:
+            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+        except Exception as e:  # the template is user-facing input validation (raise_exception)
+            raise bad_request(f"the chat template could not render these messages: {e}",
+                              "messages") from None
+        if not is_text(text):  # a template variable the checks did not reach
+            raise bad_request(f"the rendered conversation is {INVALID_TEXT}", "messages")
+        self.check_text_size(text, "messages")
+        return tok.encode(text, add_special_tokens=False)
 
     async def _chat_chunks(self, stream: RequestStream, head: dict[str, Any],
                            body: ChatCompletionRequest) -> AsyncIterator[bytes]:

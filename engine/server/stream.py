@@ -1,5 +1,6 @@
 """The asyncio side of a request: ``RequestStream`` yields the ``StreamDelta``s the engine thread
-posts to it (by ``loop.call_soon_threadsafe``), ending with a finished one."""
+posts to it (``deliver``: by ``loop.call_soon_threadsafe``), ending with a finished one; a
+``DeltaCursor`` turns a request's progress into the next delta."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.request import LogprobDict
+from engine.request import LogprobDict, Request
 
 if TYPE_CHECKING:
     from engine.server.async_engine import AsyncEngine
@@ -57,6 +58,8 @@ class RequestStream:
 
     def push(self, item: Any) -> None:  # on the event loop
         self._queue.put_nowait(item)
+        if _ends(item):  # off the books before the client can see the end
+            self._owner.release(self)
 
     async def wait_accepted(self) -> None:
         item = await self._queue.get()
@@ -93,5 +96,53 @@ class RequestStream:
         if self.finished:
             return
         self.finished = self.aborted = True
-        self._owner.abort(self.request_id)
+        self._owner.abort(self)
         self._queue.put_nowait(None)
+
+
+@dataclass
+class DeltaCursor:
+    """What of an accepted request its stream was sent so far (engine thread only)."""
+
+    stream: RequestStream
+    req: Request
+    sent_text: int = 0
+    sent_tokens: int = 0
+
+    def delta(self, text: str) -> StreamDelta:
+        req = self.req
+        toks = req.output_token_ids
+        new_text = text[self.sent_text:]
+        self.sent_text = max(self.sent_text, len(text))
+        new_toks = list(toks[self.sent_tokens:])
+        lps = list(req.logprobs[self.sent_tokens:]) if req.params.logprobs is not None else None
+        self.sent_tokens = len(toks)
+        return StreamDelta(
+            new_text, new_toks, lps, req.is_finished,
+            req.finish_reason.value if req.finish_reason else None, req.stop_reason, req.error,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(toks),
+            num_cached_tokens=req.num_cached_tokens)
+
+
+def deliver(posts: list[tuple[RequestStream, Any]]) -> None:
+    """Hand items to their streams' event loops (any thread): one wake-up per loop per batch."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+    for s, item in posts:
+        by_loop.setdefault(s.loop, []).append((s, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            for s, item in items:
+                if _ends(item):
+                    s._owner.release(s)
+
+
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for s, item in items:
+        s.push(item)
+
+
+def _ends(item: Any) -> bool:
+    """A request's last item: a refusal (or death before acceptance), or a finished delta."""
+    return isinstance(item, BaseException) or (isinstance(item, StreamDelta) and item.finished)

