@@ -15,13 +15,14 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import ConfigError, EngineConfig, ModelConfig
-from engine.executor.base import Executor, ExecutorError, Logprobs
+from engine.executor.base import Executor, ExecutorError
 from engine.kv import BlockManager
 from engine.model.loader import load_checkpoint
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import FinishReason, Logprob, LogprobDict, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan, prepare
+from engine.step import Logprobs
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

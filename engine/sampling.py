@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.base import Logprobs
+from engine.step import Logprobs
 
 _M1 = np.uint32(0x7FEB352D)
 _M2 = np.uint32(0x846CA68B)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.executor.base import StepBatch
 from engine.kv import BlockManager, OutOfPagesError
 from engine.request import FinishReason, Request, RequestStatus
+from engine.step import StepBatch
 
 
 @dataclass

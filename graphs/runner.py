@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from engine.cuda.driver import _cu, check
-from engine.executor.base import StepBatch
 from engine.progress import Progress
+from engine.step import StepBatch
 from graphs.buckets import bucket_for, bucket_sizes
 
 

@@ -25,7 +25,7 @@ BW = 4.28e12
 
 
 def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int, seed: int = 0):
-    from engine.executor.base import StepBatch
+    from engine.step import StepBatch
 
     rng = np.random.default_rng(seed)
     ppseq = -(-ctx // page_size)

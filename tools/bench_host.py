@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.executor.base import StepOutput
 from engine.sampling_params import SamplingParams
+from engine.step import StepOutput
 
 
 class NullExecutor:

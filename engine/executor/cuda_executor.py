@@ -15,7 +15,7 @@ import numpy as np
 from engine import envs
 from engine.config import EngineConfig
 from engine.cuda.driver import Arena, Context, Stream
-from engine.executor.base import Executor, ExecutorError, Logprobs, StepBatch, StepOutput
+from engine.executor.base import Executor, ExecutorError
 from engine.executor.cuda_model import (
     BF16,
     DeviceWeights,
@@ -25,6 +25,7 @@ from engine.executor.cuda_model import (
     plan_num_pages,
 )
 from engine.model.loader import Checkpoint
+from engine.step import Logprobs, StepBatch, StepOutput
 
 
 class CudaExecutor(Executor):

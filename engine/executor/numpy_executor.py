@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.executor.base import Executor, ExecutorError, Logprobs, StepBatch, StepOutput
+from engine.executor.base import Executor, ExecutorError
 from engine.model.loader import Checkpoint
 from engine.model.reference import ReferenceModel, attention
 from engine.sampling import compute_logprobs, sample
+from engine.step import Logprobs, StepBatch, StepOutput
 
 F32 = np.float32
 
