@@ -215,15 +215,21 @@ def test_tokenizing_a_long_prompt_does_not_stall_other_routes(served: str) -> No
     for path, body in (("/v1/completions", completion(prompt)),
                        ("/v1/chat/completions", chat(prompt))):
         with health_probe(served) as gaps:
+            t0 = time.perf_counter()
             status, err = http("POST", f"{served}{path}", body)
+            seconds = time.perf_counter() - t0
         assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
         assert "the prompt has" in err["error"]["message"], err  # counted, so tokenized
-        assert len(gaps) >= 5 and max(gaps) < 0.1, (path, max(gaps))
+        # Tokenizing on the event loop stalls /health for about the whole request; on a worker
+        # thread that releases the GIL the gaps are scheduling noise. Judged relative to the
+        # request's own time, so that a loaded machine (everything slower) does not fail it.
+        assert len(gaps) >= 5 and max(gaps) < max(0.1, seconds / 3), (path, max(gaps), seconds)
 
 
 def test_text_over_the_size_bound_is_refused_without_tokenizing(server: OpenAIServer) -> None:
     """4 MiB of text: more bytes than any 1024-token prompt of this vocabulary can have, so a 400
-    context_length_exceeded at once (tokenizing it takes seconds). Token ids: by their count."""
+    context_length_exceeded without tokenizing it (that takes seconds: the tokenizer is spied
+    on). Token ids: by their count."""
     text = random_words(4 * MB)
     cases: list[tuple[str, dict[str, Any], str]] = [
         ("/v1/completions", completion(text), "prompt"),
@@ -232,14 +238,24 @@ def test_text_over_the_size_bound_is_refused_without_tokenizing(server: OpenAISe
         ("/v1/chat/completions", chat([{"type": "text", "text": text}]), "messages"),
         ("/v1/completions", completion([1] * 200_000), "prompt"),
     ]
-    for path, body, param in cases:
-        t0 = time.perf_counter()
-        status, err = http("POST", f"{server.url}{path}", body)
-        seconds = time.perf_counter() - t0
-        assert status == 400, err
-        assert err["error"]["code"] == "context_length_exceeded"
-        assert err["error"]["param"] == param
-        assert seconds < 0.5, (path, param, seconds)
+    tok = server.engine.tokenizer
+    encoded: list[int] = []  # lengths of the texts the server tokenized
+    encode = tok.encode
+
+    def spy(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        encoded.append(len(text))
+        return encode(text, *args, **kwargs)
+
+    tok.encode = spy  # type: ignore[method-assign]
+    try:
+        for path, body, param in cases:
+            status, err = http("POST", f"{server.url}{path}", body)
+            assert status == 400, err
+            assert err["error"]["code"] == "context_length_exceeded"
+            assert err["error"]["param"] == param
+    finally:
+        del tok.encode
+    assert not [n for n in encoded if n >= MB], f"oversized text was tokenized: {encoded}"
 
 
 # -- 3. bounds on what a client controls ---------------------------------------------------------
