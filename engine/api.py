@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.args import EngineArgs
 from engine.engine import LLMEngine, RequestError
 from engine.outputs import CompletionOutput, RequestOutput, StreamOutput
 from engine.sampling_params import SamplingParams
@@ -47,8 +47,8 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[in
 
 class LLM:
     def __init__(self, model: str | None = None, backend: str = "auto", **options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model or "", backend=backend,
-                                                         **options))
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model or "", backend=backend,
+                                                       **options))
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
@@ -100,24 +100,16 @@ class LLM:
         ids = self._add_all(prompts, sampling_params)
         eng = self.engine
         index = {r: i for i, r in enumerate(ids)}
-        sent_text = dict.fromkeys(ids, 0)
-        sent_tok = dict.fromkeys(ids, 0)
         pending = set(ids)
         try:
             while pending:
-                changed = eng.step()
-                for req in changed:
+                for req in eng.step():
                     rid = req.request_id
                     if rid not in pending:
                         continue
-                    text = eng.visible_text(req)
-                    toks = req.output_token_ids
-                    out = eng.output(req)
-                    yield StreamOutput(rid, index[rid], text[sent_text[rid]:],
-                                       list(toks[sent_tok[rid]:]), req.is_finished,
-                                       req.finish_reason.value if req.finish_reason else None,
-                                       out)
-                    sent_text[rid], sent_tok[rid] = len(text), len(toks)
+                    d = eng.delta(req)
+                    yield StreamOutput(rid, index[rid], d.text, d.token_ids, d.finished,
+                                       d.finish_reason, eng.output(req))
                     if req.is_finished:
                         pending.discard(rid)
                         eng.pop_finished(rid)
@@ -131,14 +123,8 @@ class LLM:
         """Apply the checkpoint's chat template (jinja2, as transformers does) and generate.
         ``messages`` is one conversation or a list of them; template variables such as Qwen3's
         ``enable_thinking`` go in ``chat_template_kwargs`` (or as keyword arguments)."""
-        tok = self.engine.tokenizer
-        if tok is None:
-            raise RequestError(f"{self.engine.model_dir} has no tokenizer: chat needs one")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tk = {**(chat_template_kwargs or {}), **kwargs}
-        prompts = []
-        for conv in convs:
-            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt,
-                                           **tk)
-            prompts.append(tok.encode(text, add_special_tokens=False))
+        chat = self.engine.input_processor.chat
+        prompts = [chat(conv, add_generation_prompt, **tk) for conv in convs]
         return self.generate(prompts, sampling_params)

@@ -19,7 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.commands.generate", "generate text with a model (default: SmolLM2-135M)"),
     "check-kv": ("engine.kv.check", "property-based run of the block manager (Hypothesis)"),
     "serve": ("engine.server.cli", "OpenAI-compatible HTTP server"),
-    "profile-graphs": ("graphs.profile", "capture and profile the decode CUDA graphs"),
+    "profile-graphs": ("engine.commands.profile_graphs",
+                       "capture and profile the decode CUDA graphs"),
 }
 # Modules of the optional extras (pyproject.toml) -> (pip package, extra that installs it).
 EXTRAS: dict[str, tuple[str, str]] = {

@@ -1,14 +1,15 @@
 """Frozen configuration: the model (from a Hugging Face ``config.json``) and the engine options.
 
-Both are passed down whole. Derived values are properties; validation happens in
-``__post_init__`` / the parser, with messages that say what to change.
+Both are passed down whole. Derived values are properties. ModelConfig is checked in
+``__post_init__`` / its parser; EngineConfig is built, checked and resolved once by
+``engine.args.EngineArgs.create_engine_config``. Messages say what to change.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -208,95 +209,38 @@ class ModelConfig:
         return cls.from_dict(cfg, gen, source=str(cfg_path), generation_source=str(gen_path))
 
 
-BACKENDS = ("auto", "numpy", "cuda")
-NUMPY_LONG_PREFILL_TOKENS = 256
-DUPLICATE_POLICIES = ("allow", "reject")
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Engine options, with vLLM's names."""
+    """The engine options, resolved: every value concrete (the backend chosen, max_model_len and
+    the prefill cap filled in from the model and the backend). Built once, and checked, by
+    ``engine.args.EngineArgs.create_engine_config``, where the defaults, the help text and the
+    validation live; vLLM's names. ``None`` is left only where it is an option's own meaning
+    (no override, the default graph cap)."""
 
-    model: str = ""
-    backend: str = "auto"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    # The most prompt tokens one request may compute in a step (vLLM's name; 0 = no cap). A cap
-    # below the budget leaves room for other requests: one long prompt cannot hold the rest back
-    # until its prefill is done. Default: 256 on numpy, where a 2048-token chunk of the embedded
-    # model takes 20-35 s on 2 cores; off on cuda.
-    long_prefill_token_threshold: int | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    duplicate_policy: str = "allow"
-    # numpy backend: KV pages to allocate when num_gpu_blocks_override is not given.
-    cpu_kv_pages: int = 512
-    cuda_graph_max_bs: int | None = None  # largest captured bucket (default: max_num_seqs)
-    lazy_graph_capture: bool = False
-    # Prompt-logprob requests skip the prefix cache (as in vLLM) unless this is set; then cached
-    # positions report None (their logits were never computed). Used by the golden gate.
-    prompt_logprobs_prefix_cache: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
-            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 = no cap), got "
-                              f"{self.long_prefill_token_threshold}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
-            raise ConfigError("num_gpu_blocks_override must be >= 2 (one page is the padding "
-                              f"page), got {self.num_gpu_blocks_override}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
-                              f"{self.gpu_memory_utilization}")
-        if self.duplicate_policy not in DUPLICATE_POLICIES:
-            raise ConfigError(f"duplicate_policy {self.duplicate_policy!r}: use 'allow' or "
-                              "'reject'")
-
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(k for k in kwargs if k not in known)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
-        return cls(**kwargs)
-
-    def resolve(self, model_config: ModelConfig, backend: str | None = None) -> EngineConfig:
-        """Fill model- and backend-dependent defaults and check the options against the model.
-        ``backend`` is the concrete backend the engine runs ("auto" already resolved)."""
-        mml = self.max_model_len or model_config.max_position_embeddings
-        if mml > model_config.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len {mml} exceeds the model's max_position_embeddings "
-                f"({model_config.max_position_embeddings}); lower max_model_len")
-        backend = backend or self.backend
-        lp = self.long_prefill_token_threshold
-        if lp is None:
-            lp = NUMPY_LONG_PREFILL_TOKENS if backend == "numpy" else 0
-        return replace(self, max_model_len=mml, backend=backend, long_prefill_token_threshold=lp)
+    model: str
+    backend: str  # "numpy" | "cuda" (engine.executor.registry.BACKENDS)
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int  # 0 = no cap
+    block_size: int
+    enable_prefix_caching: bool
+    num_gpu_blocks_override: int | None  # None: profile (cuda) or size the pool (numpy)
+    gpu_memory_utilization: float
+    enforce_eager: bool
+    enable_chunked_prefill: bool
+    seed: int
+    duplicate_policy: str
+    cpu_kv_pages: int
+    cuda_graph_max_bs: int | None  # None: graphs.buckets.DEFAULT_MAX
+    lazy_graph_capture: bool
+    prompt_logprobs_prefix_cache: bool
 
     def check_kv_capacity(self, num_usable_pages: int) -> None:
         """Refuse a KV pool that cannot hold one request of max_model_len (vLLM refuses it at
         start-up too): otherwise requests would be accepted and fail part-way."""
         need = self.max_pages_per_seq
         if num_usable_pages < need:
-            assert self.max_model_len is not None
             fits = num_usable_pages * self.block_size
             raise ConfigError(
                 f"the KV cache holds {fits} tokens ({num_usable_pages} pages of "
@@ -307,5 +251,4 @@ class EngineConfig:
 
     @property
     def max_pages_per_seq(self) -> int:
-        assert self.max_model_len is not None, "call resolve() first"
         return math.ceil(self.max_model_len / self.block_size)

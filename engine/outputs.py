@@ -1,10 +1,35 @@
-"""RequestOutput and CompletionOutput, in vLLM's shape."""
+"""What a request gives back: ``RequestDelta`` (what one step added, the one thing the output
+processor emits), and its renderings ``RequestOutput`` / ``CompletionOutput`` (vLLM's shape) and
+``StreamOutput``; the server's SSE chunks render the same delta."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.request import LogprobDict
+
+
+@dataclass
+class RequestDelta:
+    """What one step added to a request: new text and tokens, and how it ended (if it did)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[LogprobDict] | None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    error: str | None = None
+    fatal: bool = False  # the engine died under the request (HTTP 503 rather than 500)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # cumulative
+    num_cached_tokens: int = 0
+
+    def merge(self, later: RequestDelta) -> RequestDelta:
+        """This delta followed by ``later``, as one."""
+        lps = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        return replace(later, text=self.text + later.text,
+                       token_ids=self.token_ids + later.token_ids, logprobs=lps)
 
 
 @dataclass

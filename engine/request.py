@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -65,8 +64,7 @@ class Request:
     logprobs: list[LogprobDict] = field(default_factory=list)
     prompt_logprobs: list[LogprobDict | None] = field(default_factory=list)
     cumulative_logprob: float = 0.0
-    detok: Any = None  # the request's incremental detokenizer (engine-owned)
-    text: str = ""  # output text (stop strings removed)
+    text: str = ""  # output text (stop strings removed); the output processor writes it
     metrics: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -6,36 +6,51 @@ token budget, ``max_num_seqs`` and the block manager's ``free + inactive`` pages
 running request cannot get its next page, the most recently admitted running request is
 preempted (pages released; it is recomputed later, prefix cache permitting, and under greedy it
 produces the same tokens).
+
+A step is three calls (``LLMEngine.step``)::
+
+    out = scheduler.schedule()                      # -> SchedulerOutput (frozen)
+    step_out = executor.execute(build_batch(out))   # -> StepOutput
+    changed = scheduler.update_from_output(out, step_out)
+
+``update_from_output`` commits the step's KV, appends the sampled tokens (and logprobs) to their
+requests and finishes them on EOS, a stop token or length. A step that failed is handed back with
+``fail_step`` instead: only its requests (or only the failed rows) finish with an error. The
+scheduler owns the block manager: nothing else calls it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from engine.config import EngineConfig
-from engine.kv import BlockManager, OutOfPagesError
-from engine.request import FinishReason, Request, RequestStatus
-from engine.step import StepBatch
+from engine.kv import BlockManager, OutOfPagesError, PageRefOverflowError
+from engine.request import FinishReason, Logprob, LogprobDict, Request, RequestStatus
+from engine.step import Logprobs, StepOutput
 
 
-@dataclass
-class ScheduledSeq:
+@dataclass(slots=True)
+class ScheduledRequest:  # one per request per step: a plain record (frozen costs on the hot path)
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_new: int
     slots: list[int]
     sample: bool  # this step computes the last known token: sample the next one
-    prompt_logprob_positions: list[int] = field(default_factory=list)
+    prompt_logprob_positions: tuple[int, ...] = ()
+    page_table: list[int] = field(default_factory=list)  # the block manager's table, by ref.
 
 
-@dataclass
-class StepPlan:
-    seqs: list[ScheduledSeq]
-    preempted: list[Request] = field(default_factory=list)
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """What one step computes. ``error`` is set when the step cannot run (its page references
+    would not fit the page-index buffer): its requests then fail, the engine serves on."""
+
+    seqs: tuple[ScheduledRequest, ...]
+    preempted: tuple[Request, ...] = ()
+    refused: tuple[Request, ...] = ()  # finished with an error: can never fit the KV cache
+    error: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -80,20 +95,39 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- scheduling ------------------------------------------------------------------------------
-    def _prompt_logprob_positions(self, req: Request, start: int, n: int) -> list[int]:
+    def _prompt_logprob_positions(self, req: Request, start: int, n: int) -> tuple[int, ...]:
         if not req.wants_prompt_logprobs:
-            return []
+            return ()
         last = req.num_prompt_tokens - 1  # logits at the last prompt position sample a token
         have = len(req.prompt_logprobs)  # entries for positions 0 .. have-1 exist
-        return [p for p in range(start, min(start + n, last)) if p + 1 >= have]
+        return tuple(p for p in range(start, min(start + n, last)) if p + 1 >= have)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> SchedulerOutput:
+        seqs, preempted = self._schedule()
+        if not seqs:
+            if self.waiting and not self.running:
+                # The head request cannot fit the KV cache even alone: refuse it, don't spin.
+                req = self.waiting[0]
+                self.finish(req, FinishReason.ERROR, error=(
+                    f"request needs more KV pages than the cache holds "
+                    f"({self.bm.num_pages} pages of {self.config.block_size})"))
+                return SchedulerOutput((), tuple(preempted), refused=(req,))
+            return SchedulerOutput((), tuple(preempted))
+        error = None
+        try:  # the by-reference page total of the step must fit the page-index buffer
+            self.bm.check_step_refs([s.request.request_id for s in seqs],
+                                    self.config.max_num_seqs, self.config.max_model_len)
+        except PageRefOverflowError as e:
+            error = f"{type(e).__name__}: {e}"
+        return SchedulerOutput(tuple(seqs), tuple(preempted), error=error)
+
+    def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         # per-request prefill cap (chunked prefill only): a long prompt leaves budget to others
         cap = (cfg.long_prefill_token_threshold or budget) if cfg.enable_chunked_prefill \
             else budget
-        seqs: list[ScheduledSeq] = []
+        seqs: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
         i = 0
@@ -116,9 +150,10 @@ class Scheduler:
                         break
             if slots is None:
                 break
-            seqs.append(ScheduledSeq(req, start, n, slots, sample=start + n == req.num_tokens,
-                                     prompt_logprob_positions=self._prompt_logprob_positions(
-                                         req, start, n)))
+            seqs.append(ScheduledRequest(
+                req, start, n, slots, sample=start + n == req.num_tokens,
+                prompt_logprob_positions=self._prompt_logprob_positions(req, start, n),
+                page_table=self.bm.page_table_view(req.request_id)))
             budget -= n
             i += 1
 
@@ -147,85 +182,84 @@ class Scheduler:
                 req.prompt_logprobs += [None] * (cached + 1 - len(req.prompt_logprobs))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            seqs.append(ScheduledSeq(req, cached, n, slots, sample=cached + n == len(tokens),
-                                     prompt_logprob_positions=self._prompt_logprob_positions(
-                                         req, cached, n)))
+            seqs.append(ScheduledRequest(
+                req, cached, n, slots, sample=cached + n == len(tokens),
+                prompt_logprob_positions=self._prompt_logprob_positions(req, cached, n),
+                page_table=self.bm.page_table_view(req.request_id)))
             budget -= n
-        return StepPlan(seqs, preempted)
+        return seqs, preempted
 
     # -- after the step --------------------------------------------------------------------------
-    def commit(self, plan: StepPlan) -> None:
-        """The step ran: its tokens' KV is real."""
-        for s in plan.seqs:
+    def update_from_output(self, out: SchedulerOutput, step: StepOutput) -> list[Request]:
+        """The step ran: commit its KV, append sampled tokens and logprobs, finish requests on
+        EOS / stop token / length. Returns the requests that changed (sampled or finished). An
+        error while one request's output is processed fails that request only."""
+        changed: list[Request] = []
+        row = pl_row = 0
+        for s in out.seqs:
             req = s.request
             req.num_computed_tokens = s.start + s.num_new
             self.bm.commit(req.request_id, req.num_computed_tokens)
+            n_pl = len(s.prompt_logprob_positions) if step.prompt_logprobs is not None else 0
+            try:
+                for i, p in enumerate(s.prompt_logprob_positions[:n_pl]):
+                    req.prompt_logprobs.append(logprob_dict(
+                        step.prompt_logprobs, pl_row + i, req.prompt_token_ids[p + 1],
+                        req.params.prompt_logprobs or 0))
+                if s.sample:
+                    tok = int(step.sampled[row])
+                    lp = None
+                    if req.params.logprobs is not None and step.logprobs is not None:
+                        lp = logprob_dict(step.logprobs, row, tok, req.params.logprobs)
+                    self._append_token(req, tok, lp)
+                    changed.append(req)
+            except Exception as e:  # this request's output could not be processed: fail it alone
+                self.finish(req, FinishReason.ERROR,
+                            error=f"processing the output failed: {type(e).__name__}: {e}")
+                changed.append(req)
+            pl_row += n_pl
+            row += int(s.sample)
+        return changed
 
-    def abandon(self, plan: StepPlan, failed: Iterable[Request]) -> None:
-        """The step did not run. Failed requests finish with an error elsewhere; the others give
-        their step's slots back and are scheduled again next step."""
+    def _append_token(self, req: Request, tok: int, lp: LogprobDict | None) -> None:
+        params = req.params
+        req.output_token_ids.append(tok)
+        now = time.perf_counter()
+        req.metrics.setdefault("first_token", now)
+        req.metrics["last_token"] = now
+        if lp is not None:
+            req.logprobs.append(lp)
+            req.cumulative_logprob += lp[tok].logprob
+        if tok in params.stop_token_ids:
+            self.finish(req, FinishReason.STOP, stop_reason=tok)
+        elif not params.ignore_eos and tok in req.eos_token_ids:
+            self.finish(req, FinishReason.STOP)
+        elif len(req.output_token_ids) >= req.max_output_tokens:
+            self.finish(req, FinishReason.LENGTH)
+
+    def fail_step(self, out: SchedulerOutput, rows: set[int] | None,
+                  error: str) -> list[Request]:
+        """The step did not run. The requests of ``rows`` (all when None) finish with
+        ``error``; the others give their slots back and are scheduled again next step."""
+        failed = [s.request for i, s in enumerate(out.seqs) if rows is None or i in rows]
         failed_ids = {r.request_id for r in failed}
-        for s in plan.seqs:
+        for s in out.seqs:
             if s.request.request_id not in failed_ids and s.request.status == RequestStatus.RUNNING:
                 self.bm.rollback(s.request.request_id, s.num_new)
+        for req in failed:
+            self.finish(req, FinishReason.ERROR, error=error)
+        return failed
 
     def page_table(self, req: Request) -> list[int]:
         return self.bm.page_table(req.request_id)
 
 
-def prepare(plan: StepPlan, scheduler: Scheduler) -> StepBatch:
-    """Flatten a plan into the executor's arrays (the one place a step's batch is built)."""
-    seqs = plan.seqs
-    b = len(seqs)
-    bm = scheduler.bm
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    cu = [0]
-    ctx = []
-    tables = []
-    sample_idx: list[int] = []
-    sample_reqs: list[Request] = []
-    pl_idx: list[int] = []
-    pl_tgt: list[int] = []
-    pl_n = 0
-    for s in seqs:
-        req = s.request
-        base = cu[-1]
-        ids += req.token_slice(s.start, s.num_new)
-        pos += range(s.start, s.start + s.num_new)
-        slots += s.slots
-        cu.append(base + s.num_new)
-        ctx.append(s.start + s.num_new)
-        tables.append(bm.page_table_view(req.request_id))
-        if s.sample:
-            sample_idx.append(base + s.num_new - 1)
-            sample_reqs.append(req)
-        for p in s.prompt_logprob_positions:
-            pl_idx.append(base + p - s.start)
-            pl_tgt.append(req.prompt_token_ids[p + 1])
-            pl_n = max(pl_n, req.params.prompt_logprobs or 0)
-    width = max(max((len(t) for t in tables), default=1), 1)
-    page_indices = np.array([t + [0] * (width - len(t)) if len(t) < width else t
-                             for t in tables], np.int32).reshape(b, width)
-    sp = [r.params for r in sample_reqs]
-    return StepBatch(
-        input_ids=np.asarray(ids, np.int32),
-        positions=np.asarray(pos, np.int32),
-        slot_mapping=np.asarray(slots, np.int64),
-        cu_seqlens_q=np.asarray(cu, np.int32),
-        context_lens=np.asarray(ctx, np.int32),
-        page_indices=page_indices,
-        sample_token_idx=np.asarray(sample_idx, np.int32),
-        temperature=np.asarray([p.temperature for p in sp], np.float32),
-        top_k=np.asarray([p.top_k for p in sp], np.int32),
-        top_p=np.asarray([p.top_p for p in sp], np.float32),
-        min_p=np.asarray([p.min_p for p in sp], np.float32),
-        seeds=np.asarray([r.seed for r in sample_reqs], np.uint64),
-        sample_steps=np.asarray([len(r.output_token_ids) for r in sample_reqs], np.uint32),
-        num_logprobs=np.asarray([-1 if p.logprobs is None else p.logprobs for p in sp],
-                                np.int32),
-        prompt_logprob_idx=np.asarray(pl_idx, np.int32),
-        prompt_logprob_targets=np.asarray(pl_tgt, np.int32),
-        prompt_num_logprobs=pl_n,
-    )
+def logprob_dict(lp: Logprobs, row: int, token: int, n: int) -> LogprobDict:
+    """A row's logprobs in vLLM's shape: the token's, then the top-n (decoded text is filled in
+    by the output processor)."""
+    d: LogprobDict = {token: Logprob(float(lp.token_logprob[row]), int(lp.token_rank[row]))}
+    for j in range(min(n, lp.top_ids.shape[1])):
+        t = int(lp.top_ids[row, j])
+        if t not in d:
+            d[t] = Logprob(float(lp.top_logprobs[row, j]), j + 1)
+    return d

@@ -8,8 +8,12 @@ nothing of requests. The scheduler's output is flattened into a ``StepBatch`` by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.scheduler import SchedulerOutput
 
 
 @dataclass
@@ -77,3 +81,60 @@ class StepOutput:
     logprobs: Logprobs | None = None  # for the S sample rows, when any asked
     prompt_logprobs: Logprobs | None = None  # for the P prompt rows
     graph: bool = False  # the forward replayed a captured CUDA graph
+
+
+def build_batch(out: SchedulerOutput) -> StepBatch:
+    """Flatten a step's scheduled requests into the executor's arrays (a pure function)."""
+    seqs = out.seqs
+    b = len(seqs)
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    cu = [0]
+    ctx = []
+    tables = []
+    sample_reqs = []
+    sample_idx: list[int] = []
+    pl_idx: list[int] = []
+    pl_tgt: list[int] = []
+    pl_n = 0
+    for s in seqs:
+        req = s.request
+        base = cu[-1]
+        ids += req.token_slice(s.start, s.num_new)
+        pos += range(s.start, s.start + s.num_new)
+        slots += s.slots
+        cu.append(base + s.num_new)
+        ctx.append(s.start + s.num_new)
+        tables.append(s.page_table)
+        if s.sample:
+            sample_idx.append(base + s.num_new - 1)
+            sample_reqs.append(req)
+        for p in s.prompt_logprob_positions:
+            pl_idx.append(base + p - s.start)
+            pl_tgt.append(req.prompt_token_ids[p + 1])
+            pl_n = max(pl_n, req.params.prompt_logprobs or 0)
+    width = max(max((len(t) for t in tables), default=1), 1)
+    page_indices = np.array([t + [0] * (width - len(t)) if len(t) < width else t
+                             for t in tables], np.int32).reshape(b, width)
+    sp = [r.params for r in sample_reqs]
+    return StepBatch(
+        input_ids=np.asarray(ids, np.int32),
+        positions=np.asarray(pos, np.int32),
+        slot_mapping=np.asarray(slots, np.int64),
+        cu_seqlens_q=np.asarray(cu, np.int32),
+        context_lens=np.asarray(ctx, np.int32),
+        page_indices=page_indices,
+        sample_token_idx=np.asarray(sample_idx, np.int32),
+        temperature=np.asarray([p.temperature for p in sp], np.float32),
+        top_k=np.asarray([p.top_k for p in sp], np.int32),
+        top_p=np.asarray([p.top_p for p in sp], np.float32),
+        min_p=np.asarray([p.min_p for p in sp], np.float32),
+        seeds=np.asarray([r.seed for r in sample_reqs], np.uint64),
+        sample_steps=np.asarray([len(r.output_token_ids) for r in sample_reqs], np.uint32),
+        num_logprobs=np.asarray([-1 if p.logprobs is None else p.logprobs for p in sp],
+                                np.int32),
+        prompt_logprob_idx=np.asarray(pl_idx, np.int32),
+        prompt_logprob_targets=np.asarray(pl_tgt, np.int32),
+        prompt_num_logprobs=pl_n,
+    )

@@ -1,23 +1,28 @@
-"""``cuteinfer profile-graphs --model DIR``: what each decode graph costs and what graphs buy.
+"""What each decode graph costs and what graphs buy (``cuteinfer profile-graphs``, whose command
+line is ``engine.commands.profile_graphs``).
 
 For every bucket: capture time, kernel nodes by name, graph memory, replay time (median and p99
 over many replays, CUDA events) against the same step launched eagerly, and the launch overhead
 saved. Writes a table (stdout), JSON, a PNG plot (matplotlib, if installed: replay vs eager time
 per bucket, and time per token), and optionally the DOT dump of one graph.
 
-Importable: ``profile_graphs(executor, iters=...) -> list[dict]``.
+Importable: ``profile_graphs(executor, iters=...) -> list[dict]``, given an executor built by the
+caller (``graphs`` knows no executor class), and ``make_batch``, the synthetic decode step it times
+(also the decode benchmark's, tools/bench_decode.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from engine.step import StepBatch
+
+if TYPE_CHECKING:
+    from graphs.runner import GraphRunner
 
 
 def _short(name: str) -> str:
@@ -29,25 +34,41 @@ def _short(name: str) -> str:
     return name[:48]
 
 
+def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int,
+               seed: int = 0) -> StepBatch:
+    """A decode step of ``b`` sequences at context ``ctx`` on random distinct pages (random tokens,
+    greedy sampling): what a graph replays when it is timed."""
+    rng = np.random.default_rng(seed)
+    ppseq = -(-ctx // page_size)
+    pages = rng.permutation(np.arange(1, num_pages))[: b * ppseq].reshape(b, ppseq)
+    pos = np.full(b, ctx - 1, np.int32)
+    slots = pages[:, (ctx - 1) // page_size] * page_size + (ctx - 1) % page_size
+    z = np.zeros(b, np.float32)
+    return StepBatch(
+        input_ids=rng.integers(0, vocab, b).astype(np.int32), positions=pos,
+        slot_mapping=slots.astype(np.int64), cu_seqlens_q=np.arange(b + 1, dtype=np.int32),
+        context_lens=np.full(b, ctx, np.int32), page_indices=pages.astype(np.int32),
+        sample_token_idx=np.arange(b, dtype=np.int32), temperature=z,
+        top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32), min_p=z,
+        seeds=np.arange(b, dtype=np.uint64), sample_steps=np.zeros(b, np.uint32),
+        num_logprobs=np.full(b, -1, np.int32))
+
+
 def profile_graphs(ex: Any, iters: int = 200, ctx: int = 512,
                    buckets: list[int] | None = None) -> list[dict]:
     """Profile every bucket of ``ex`` (a CudaExecutor) at context length ``ctx``."""
     from engine.cuda.driver import time_ms
-    from graphs.runner import GraphRunner
-    from tools.bench_decode import make_batch
 
-    runner = ex.graphs or GraphRunner(ex)
-    if buckets:
-        runner.buckets = sorted(buckets)
+    runner, own = _runner(ex, buckets or [])
     rows = []
-    for bk in sorted(runner.buckets, reverse=True):
+    for bk in sorted(set(buckets or runner.buckets), reverse=True):
         g = runner.graphs.get(bk) or runner.capture(bk)
         batch = make_batch(bk, min(ctx, ex.sizes.max_pos - 1), ex.page_size, ex.num_pages,
                            ex.mc.vocab_size)
         ex.upload(batch)
         ex.upload_sampling(batch)
 
-        rep = time_ms(ex.stream, lambda bk=bk: runner.launch(bk), iters, warmup=5)
+        rep = time_ms(ex.stream, lambda bk=bk: runner.replay(bk), iters, warmup=5)
         eag = time_ms(ex.stream, lambda bk=bk, s=g.num_splits: ex.decode_body(bk, s), iters,
                       warmup=5)
         by_name = Counter(_short(n) for n in g.kernel_names)
@@ -62,7 +83,17 @@ def profile_graphs(ex: Any, iters: int = 200, ctx: int = 512,
         r["saved_us_per_node"] = round(saved * 1e3 / max(len(g.kernel_names), 1), 3)
         r["replay_ms_per_token"] = round(r["replay_ms_median"] / bk, 5)
         rows.append(r)
+    if own:
+        runner.destroy()
     return sorted(rows, key=lambda r: r["bucket"])
+
+
+def _runner(ex: Any, buckets: list[int]) -> tuple[GraphRunner, bool]:
+    """The executor's graph runner when its plan holds ``buckets``, else a runner of their own
+    (True: the caller destroys it)."""
+    if ex.graphs is not None and set(buckets) <= set(ex.graphs.buckets):
+        return ex.graphs, False
+    return ex.graph_runner(buckets or None), True
 
 
 def table(rows: list[dict]) -> str:
@@ -113,73 +144,9 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> bool:
 
 
 def dump_dot(ex: Any, bucket: int, path: str | Path) -> None:
-    from engine.cuda.driver import _cu, check
-
-    g = ex.graphs.graphs[bucket]
-    check(_cu().cuGraphDebugDotPrint(g.graph, str(path).encode(), 0), "cuGraphDebugDotPrint")
-
-
-def _bucket_list(text: str) -> list[int]:
-    try:
-        buckets = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a comma list of integers, got {text!r}") \
-            from None
-    if any(b < 1 for b in buckets):
-        raise argparse.ArgumentTypeError(f"buckets must be >= 1, got {text!r}")
-    return buckets
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from tools.make_checkpoint import PRESETS
-
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="checkpoint directory")
-    src.add_argument("--preset", choices=sorted(PRESETS), metavar="PRESET",
-                     help="random weights in memory at a tools/make_checkpoint preset's shape "
-                     f"(one of {', '.join(sorted(PRESETS))}): no files written")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--ctx", type=int, default=512, help="context length of every sequence")
-    p.add_argument("--iters", type=int, default=200)
-    p.add_argument("--buckets", type=_bucket_list, default=None,
-                   help="comma list (default: all)")
-    p.add_argument("--out", default="graph_profile", help="output prefix (.json, .png)")
-    p.add_argument("--dot", type=int, default=None, help="dump this bucket's graph as DOT")
-
-
-def run(a: argparse.Namespace) -> int:
-    from engine.config import EngineConfig, ModelConfig
-    from engine.executor.cuda_executor import CudaExecutor
-    from engine.model.loader import load_checkpoint
-
-    if a.model:
-        mc = ModelConfig.from_pretrained(a.model)
-        ckpt = load_checkpoint(a.model, mc)
-        name = Path(a.model).name
-    else:
-        from engine.model.loader import Checkpoint
-        from tools.make_checkpoint import hf_config, make_weights
-
-        mc = ModelConfig.from_dict(hf_config(a.preset))
-        ckpt = Checkpoint(Path(a.preset), mc, make_weights(mc, seed=0, threads=16))
-        name = a.preset
-    buckets = a.buckets
-    ec = EngineConfig(model=name, backend="cuda", max_num_seqs=a.max_num_seqs,
-                      max_model_len=a.max_model_len, lazy_graph_capture=True,
-                      num_gpu_blocks_override=a.max_num_seqs * -(-a.max_model_len // 16) + 8
-                      ).resolve(mc)
-    ex = CudaExecutor(ckpt, ec)
-    del ckpt
-    rows = profile_graphs(ex, a.iters, a.ctx, buckets)
-    print(table(rows))
-    meta = {"model": name, "gpu": ex.ctx.name, "ctx": a.ctx, "iters": a.iters}
-    Path(f"{a.out}.json").write_text(json.dumps({"meta": meta, "buckets": rows}, indent=1))
-    if plot(rows, f"{a.out}.png", f"{name} on {ex.ctx.name}, ctx {a.ctx}"):
-        print(f"wrote {a.out}.json and {a.out}.png", file=sys.stderr)
-    else:
-        print(f"wrote {a.out}.json; no plot: matplotlib is not installed "
-              "(pip install 'cuteinfer[profile]')", file=sys.stderr)
-    if a.dot is not None:
-        dump_dot(ex, a.dot, f"{a.out}_b{a.dot}.dot")
-    return 0
+    """Write ``bucket``'s decode graph as DOT (captured now when profiling did not keep it)."""
+    runner, own = _runner(ex, [bucket])
+    g = runner.graphs.get(bucket) or runner.capture(bucket)
+    g.graph.write_dot(str(path))
+    if own:
+        runner.destroy()

@@ -1,106 +1,123 @@
 """Capture and replay decode steps as CUDA graphs, one per batch bucket.
 
-Every graph reads the executor's static buffers (ids, positions, slots, context lengths, the
-page-index table sized by reference, sampling parameters and seeds): nothing a step changes is
-baked into a graph. Buckets are captured largest first, after a warm-up that has compiled and
-loaded every kernel (``cute.compile`` never runs inside a capture).
+The runner is given a ``DecodePlan`` (the buckets, the split-KV factor of each, lazy or eager
+capture) and two callables over its caller's static buffers: ``stage(bucket)`` writes valid
+padding inputs into every row of a bucket, ``body(bucket, num_splits)`` enqueues one decode step
+of that many rows. It never sees the executor. Every graph reads the static buffers (ids,
+positions, slots, context lengths, the page-index table sized by reference, sampling parameters
+and seeds): nothing a step changes is baked into a graph. Buckets are captured largest first,
+each after a warm-up run of its body that has compiled and loaded every kernel
+(``cute.compile`` never runs inside a capture).
+
+A decode step of B sequences: ``can_replay(B)``; if so ``bucket = pad(B)`` (captures it now when
+capture is lazy), the caller uploads its inputs padded to ``bucket``, then ``replay(bucket)``.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-
-from engine.cuda.driver import _cu, check
+from engine.cuda.driver import Graph, Stream
 from engine.progress import Progress
-from engine.step import StepBatch
-from graphs.buckets import bucket_for, bucket_sizes
+from graphs.buckets import bucket_for
+
+if TYPE_CHECKING:
+    pass
+
+
+# makes the Graph of the work a callable enqueues on a stream (driver.Graph.capture)
+GraphFactory = Callable[[Stream, Callable[[], None]], Graph]
+
+
+class GraphError(RuntimeError):
+    """A graph asked for that the plan does not hold, or that was never captured."""
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the runner captures: batch buckets (ascending), the split-KV factor each bucket's
+    graph is captured with (an eager step of that bucket must use the same), and whether a
+    bucket is captured on first use (``lazy``) or only by ``capture_all``."""
+
+    buckets: tuple[int, ...]
+    splits: Mapping[int, int]  # bucket -> num_splits
+    lazy: bool = False
+
+    def __post_init__(self) -> None:
+        b = self.buckets
+        if not b or any(not isinstance(x, int) or x < 1 for x in b):
+            raise ValueError(f"DecodePlan.buckets must be positive ints, got {b!r}")
+        if any(x >= y for x, y in zip(b, b[1:], strict=False)):
+            raise ValueError(f"DecodePlan.buckets must be strictly ascending, got {b!r}")
+        if set(self.splits) != set(b):
+            raise ValueError(f"DecodePlan.splits must have one entry per bucket: buckets {b!r}, "
+                             f"splits for {sorted(self.splits)!r}")
+        bad = {k: v for k, v in self.splits.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"DecodePlan.splits must be ints >= 1, got {bad!r}")
+
+    def bucket(self, num_seqs: int) -> int | None:
+        """Smallest bucket >= num_seqs, or None when the batch is larger than every bucket."""
+        return bucket_for(num_seqs, self.buckets)
 
 
 @dataclass
 class CapturedGraph:
     bucket: int
     num_splits: int
-    graph: Any
-    exec: Any
-    capture_s: float
-    mem_bytes: int
-    kernel_names: list[str] = field(default_factory=list)
+    graph: Graph
+    kernel_names: list[str]  # every kernel node, in node order
 
+    @property
+    def capture_s(self) -> float:
+        return self.graph.capture_s
 
-def kernel_node_names(graph: Any) -> list[str]:
-    """Kernel name of every kernel node of a graph (in node order)."""
-    cu = _cu()
-    _, n = check(cu.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
-    nodes, _ = check(cu.cuGraphGetNodes(graph, n), "cuGraphGetNodes")
-    names = []
-    for node in nodes:
-        if check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType") != \
-                cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-            continue
-        params = check(cu.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
-        try:
-            name = check(cu.cuFuncGetName(params.func), "cuFuncGetName")
-            names.append(name.decode() if isinstance(name, bytes) else str(name))
-        except Exception:  # older drivers: no cuFuncGetName
-            names.append("kernel")
-    return names
+    @property
+    def mem_bytes(self) -> int:
+        return self.graph.mem_bytes
 
 
 class GraphRunner:
-    """Owns the captured graphs of one executor."""
+    """Owns the captured decode graphs of one plan. ``capture_graph`` makes a ``Graph`` of the
+    work a callable enqueues on a stream (tests inject a fake one: the runner's logic without a
+    GPU)."""
 
-    def __init__(self, executor: Any, buckets: list[int] | None = None) -> None:
-        self.ex = executor
-        cfg = executor.config
-        self.buckets = sorted(buckets) if buckets else bucket_sizes(
-            executor.sizes.b_max, cfg.cuda_graph_max_bs)
+    def __init__(self, plan: DecodePlan, stage: Callable[[int], None],
+                 body: Callable[[int, int], None], stream: Stream,
+                 capture_graph: GraphFactory = Graph.capture) -> None:
+        self.plan = plan
+        self._stage, self._body, self._stream = stage, body, stream
+        self._capture_graph = capture_graph
         self.graphs: dict[int, CapturedGraph] = {}
-        self.lazy = bool(cfg.lazy_graph_capture)
         self.replays = 0
 
-    # -- capture ---------------------------------------------------------------------------------
-    def _warm_inputs(self, bucket: int) -> None:
-        """Valid padding inputs for every row (graphs are captured over real buffers)."""
-        ex = self.ex
-        z = np.zeros(0, np.int32)
-        b = StepBatch(input_ids=z, positions=z, slot_mapping=np.zeros(0, np.int64),
-                      cu_seqlens_q=np.zeros(1, np.int32), context_lens=z,
-                      page_indices=np.zeros((0, 1), np.int32), sample_token_idx=z,
-                      temperature=np.zeros(0, np.float32), top_k=z,
-                      top_p=np.zeros(0, np.float32), min_p=np.zeros(0, np.float32),
-                      seeds=np.zeros(0, np.uint64), sample_steps=np.zeros(0, np.uint32),
-                      num_logprobs=z)
-        ex.upload(b, pad_to=bucket)
-        ex.upload_sampling(b, pad_to=bucket)
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return self.plan.buckets
 
+    @property
+    def lazy(self) -> bool:
+        return self.plan.lazy
+
+    # -- capture ---------------------------------------------------------------------------------
     def capture(self, bucket: int) -> CapturedGraph:
-        cu, ex = _cu(), self.ex
-        splits = ex.decode_splits(bucket)
-        self._warm_inputs(bucket)
-        ex.decode_body(bucket, splits)  # warm-up: every kernel compiled and loaded
-        ex.stream.synchronize()
-        free0, _ = ex.ctx.mem_info()
-        t0 = time.perf_counter()
-        check(cu.cuStreamBeginCapture(
-            ex.stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-            "cuStreamBeginCapture")
-        try:
-            ex.decode_body(bucket, splits)
-        finally:
-            graph = check(cu.cuStreamEndCapture(ex.stream.handle), "cuStreamEndCapture")
-        gexec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        check(cu.cuGraphUpload(gexec, ex.stream.handle), "cuGraphUpload")
-        ex.stream.synchronize()
-        dt = time.perf_counter() - t0
-        free1, _ = ex.ctx.mem_info()
-        g = CapturedGraph(bucket, splits, graph, gexec, dt, max(0, free0 - free1),
-                          kernel_node_names(graph))
+        """Stage padding inputs, warm the body up (every kernel compiled and loaded), capture it.
+        Overwrites the static buffers: stage a step's real inputs after this."""
+        if bucket not in self.plan.splits:
+            raise GraphError(f"bucket {bucket} is not in the decode plan {self.plan.buckets}")
+        splits = self.plan.splits[bucket]
+        self._stage(bucket)
+        self._body(bucket, splits)  # warm-up
+        graph = self._capture_graph(self._stream, lambda: self._body(bucket, splits))
+        g = CapturedGraph(bucket, splits, graph, graph.kernel_names())
+        old = self.graphs.get(bucket)
         self.graphs[bucket] = g
+        if old is not None:
+            old.graph.destroy()
         return g
 
     def capture_all(self, show: bool = True) -> dict[str, float]:
@@ -120,31 +137,37 @@ class GraphRunner:
         return {"graphs": len(self.graphs), "capture_s": total, "graph_mem_bytes": mem}
 
     # -- replay ----------------------------------------------------------------------------------
-    def bucket(self, b: StepBatch) -> int | None:
-        """The bucket a decode step replays, or None (run eagerly)."""
-        bk = bucket_for(b.num_seqs, self.buckets)
+    def can_replay(self, num_seqs: int) -> bool:
+        """A decode step of ``num_seqs`` rows can replay a graph: its bucket exists and is
+        captured, or capture is lazy."""
+        bk = self.plan.bucket(num_seqs)
+        return bk is not None and (self.plan.lazy or bk in self.graphs)
+
+    def pad(self, num_seqs: int) -> int:
+        """The bucket a step of ``num_seqs`` rows pads to, captured by the time this returns (a
+        lazy capture runs here, before the caller stages the step's inputs)."""
+        bk = self.plan.bucket(num_seqs)
         if bk is None:
-            return None
+            raise GraphError(f"a step of {num_seqs} sequences exceeds the largest decode "
+                             f"graph bucket ({self.plan.buckets[-1]}); run it eagerly")
         if bk not in self.graphs:
-            if not self.lazy:
-                return None
+            if not self.plan.lazy:
+                raise GraphError(f"bucket {bk} is not captured (capture_all first, or a lazy "
+                                 "plan)")
             self.capture(bk)
         return bk
 
-    def launch(self, bucket: int) -> None:
-        check(_cu().cuGraphLaunch(self.graphs[bucket].exec, self.ex.stream.handle),
-              "cuGraphLaunch")
+    def replay(self, bucket: int) -> None:
+        """Launch ``bucket``'s graph over whatever the static buffers hold."""
+        try:
+            g = self.graphs[bucket]
+        except KeyError:
+            raise GraphError(f"bucket {bucket} is not captured (pad() or capture() first)") \
+                from None
+        g.graph.launch(self._stream)
         self.replays += 1
 
-    def replay_bucket(self, bucket: int) -> None:
-        """Benchmarks: replay a bucket over whatever the static buffers hold."""
-        if bucket not in self.graphs:
-            self.capture(bucket)
-        self.launch(bucket)
-
     def destroy(self) -> None:
-        cu = _cu()
-        for g in self.graphs.values():
-            cu.cuGraphExecDestroy(g.exec)
-            cu.cuGraphDestroy(g.graph)
-        self.graphs.clear()
+        graphs, self.graphs = list(self.graphs.values()), {}
+        for g in graphs:
+            g.graph.destroy()

@@ -29,7 +29,7 @@ def golden_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def golden_case(golden_root: Path):
     """golden_case(name) -> (checkpoint dir, golden arrays). Checks the weights' sha256."""
-    from tools.make_goldens import build_case, weights_sha256
+    from tests.goldens_cases import build_case, weights_sha256
 
     index = json.loads((GOLDENS / "index.json").read_text())
     made: dict[str, tuple[Path, dict]] = {}

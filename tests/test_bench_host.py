@@ -3,11 +3,25 @@ request, and the report has the fields docs/perf.md quotes."""
 
 from __future__ import annotations
 
-from tools.bench_host import bench_engine
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
-def test_bench_host_engine_mode_runs(tmp_path):
-    rec = bench_engine(batch=3, gpu_ms=0.0, model_dir=tmp_path / "tiny")
+def bench_engine(batch: int, gpu_ms: float) -> dict:
+    """``python -m tools.bench_host`` as a user runs it (tools is a script folder, never imported
+    by the package or its tests); its one line of output is the report dict."""
+    out = subprocess.run([sys.executable, "-m", "tools.bench_host", "--batch", str(batch),
+                          "--gpu-ms", str(gpu_ms)], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, check=True)
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_bench_host_engine_mode_runs():
+    rec = bench_engine(batch=3, gpu_ms=0.0)
     assert rec["mode"] == "engine" and rec["batch"] == 3
     assert rec["steps"] == 255  # 256 tokens: one from the prefill step, 255 decode steps
     assert 0 < rec["host_ms_median"] <= rec["host_ms_p90"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.make_checkpoint import write_checkpoint
+from engine.model.synthetic import write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 HINT = "(run with --debug for the traceback)"

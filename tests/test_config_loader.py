@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.args import EngineArgs
+from engine.config import ConfigError, ModelConfig
 from engine.model.loader import CheckpointError, load_checkpoint
 from engine.model.safetensors_io import open_tensors, save_file
-from tools.make_checkpoint import hf_config, write_checkpoint
+from engine.model.synthetic import hf_config, write_checkpoint
 
 
 @pytest.mark.parametrize("preset", ["qwen3-0.6b", "qwen3-8b", "tiny-llama", "small-llama"])
@@ -65,16 +66,16 @@ def test_rope_scaling_in_v5_form_is_refused():
 
 
 def test_engine_config_validation():
-    with pytest.raises(ConfigError, match="backend"):
-        EngineConfig(backend="tpu")
-    with pytest.raises(ConfigError, match="block_size"):
-        EngineConfig(block_size=12)
-    with pytest.raises(ConfigError, match="unknown engine option"):
-        EngineConfig.from_kwargs(max_num_seq=4)
     m = ModelConfig.from_dict(hf_config("tiny-qwen3"))
+    with pytest.raises(ConfigError, match="backend"):
+        EngineArgs(backend="tpu").create_engine_config(m)
+    with pytest.raises(ConfigError, match="block_size"):
+        EngineArgs(block_size=12).create_engine_config(m)
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        EngineArgs.from_kwargs(max_num_seq=4)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
-        EngineConfig(max_model_len=10**6).resolve(m)
-    assert EngineConfig().resolve(m).max_model_len == m.max_position_embeddings
+        EngineArgs(max_model_len=10**6).create_engine_config(m)
+    assert EngineArgs().create_engine_config(m).max_model_len == m.max_position_embeddings
 
 
 @pytest.fixture()

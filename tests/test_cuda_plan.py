@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, ModelConfig
+from engine.args import EngineArgs
+from engine.config import ModelConfig
 from engine.cuda.driver import CudaError
 from engine.executor.cuda_model import Sizes, kv_bytes_per_page, plan_num_pages, weight_bytes
-from tools.make_checkpoint import hf_config
+from engine.model.synthetic import hf_config
 
 GIB = 1 << 30
 
 
 def test_sizes_by_reference():
     mc = ModelConfig.from_dict(hf_config("qwen3-0.6b"))
-    ec = EngineConfig(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048
-                      ).resolve(mc)
+    ec = EngineArgs(max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=2048
+                    ).create_engine_config(mc, "cuda")
     s = Sizes.of(mc, ec)
     # the page-index buffer: max batch x ceil(max_model_len / page_size), never the pool
     assert (s.b_max, s.pages_per_seq) == (256, 256)
@@ -24,7 +25,8 @@ def test_sizes_by_reference():
 
 def test_plan_uses_utilization_and_override():
     mc = ModelConfig.from_dict(hf_config("qwen3-8b"))
-    ec = EngineConfig(max_model_len=8192, gpu_memory_utilization=0.9).resolve(mc)
+    ec = EngineArgs(max_model_len=8192, gpu_memory_utilization=0.9).create_engine_config(
+        mc, "cuda")
     total = 141 * GIB
     n, arena = plan_num_pages(mc, ec, free=total - GIB, total=total, workspace=64 << 20)
     per = kv_bytes_per_page(mc, 16)
@@ -32,14 +34,16 @@ def test_plan_uses_utilization_and_override():
     assert weight_bytes(mc) + n * per < 0.9 * total - GIB
     assert n > 100_000 * 0.5  # ~110 GiB of KV at 2.25 MiB per page
     assert arena >= n * per + weight_bytes(mc)
-    n2, _ = plan_num_pages(mc, EngineConfig(max_model_len=8192, num_gpu_blocks_override=1000)
-                           .resolve(mc), free=total, total=total, workspace=0)
+    n2, _ = plan_num_pages(mc, EngineArgs(max_model_len=8192, num_gpu_blocks_override=1000)
+                           .create_engine_config(mc, "cuda"), free=total, total=total,
+                           workspace=0)
     assert n2 == 1000
 
 
 def test_plan_refuses_when_nothing_fits():
     mc = ModelConfig.from_dict(hf_config("qwen3-8b"))
-    ec = EngineConfig(max_model_len=8192, gpu_memory_utilization=0.1).resolve(mc)
+    ec = EngineArgs(max_model_len=8192, gpu_memory_utilization=0.1).create_engine_config(
+        mc, "cuda")
     with pytest.raises(CudaError, match="no room for the KV cache"):
         plan_num_pages(mc, ec, free=141 * GIB, total=141 * GIB, workspace=0)
 
@@ -91,10 +95,10 @@ def test_planned_arena_holds_every_allocation(preset, opts):
     """Everything the executor allocates fits the planned arena (weights, buffers, KV)."""
     from engine.executor.cuda_model import DeviceWeights, StepBuffers
     from engine.model.loader import Checkpoint
-    from tools.make_checkpoint import make_weights
+    from engine.model.synthetic import make_weights
 
     mc = ModelConfig.from_dict(hf_config(preset))
-    ec = EngineConfig(**opts).resolve(mc)
+    ec = EngineArgs(**opts).create_engine_config(mc, "cuda")
     ws = 64 << 20
     n, arena_bytes = plan_num_pages(mc, ec, free=100 * GIB, total=141 * GIB, workspace=ws)
     arena = _FakeArena(arena_bytes)

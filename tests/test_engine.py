@@ -11,10 +11,10 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.engine import RequestError
+from engine.model.synthetic import write_checkpoint
 from engine.sampling_params import SamplingParamsError
 from tests.conftest import golden_names, greedy_cases, split_sequences
 from tests.tolerances import TOL
-from tools.make_checkpoint import write_checkpoint
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -12,8 +12,8 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.engine import RequestError
+from engine.model.synthetic import write_checkpoint
 from engine.sampling_params import MAX_STOP_STRING_LEN, MAX_STOP_STRINGS, SamplingParamsError
-from tools.make_checkpoint import write_checkpoint
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]

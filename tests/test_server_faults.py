@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 from engine.api import LLM  # noqa: E402
 from engine.executor.base import ExecutorError  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import StepPlan  # noqa: E402
+from engine.scheduler import SchedulerOutput  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
     free_port,
@@ -115,7 +115,7 @@ def test_step_fault_fails_only_its_requests(server: OpenAIServer, reference: lis
     rescheduled and unaffected."""
     failed_plan: list[set[str]] = []
 
-    def hook(plan: StepPlan) -> None:
+    def hook(plan: SchedulerOutput) -> None:
         if failed_plan:
             return
         rows = [i for i, s in enumerate(plan.seqs) if s.request.prompt_token_ids[0] == POISON]
@@ -169,7 +169,7 @@ def test_step_fault_fails_only_its_requests(server: OpenAIServer, reference: lis
 def test_watchdog_declares_a_stalled_engine_dead(model_dir: Path) -> None:
     fired = threading.Event()
 
-    def hang(plan: StepPlan) -> None:
+    def hang(plan: SchedulerOutput) -> None:
         if not fired.is_set():
             fired.set()
             time.sleep(2.0)  # a step that stops making progress

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("fastapi")
 aiohttp = pytest.importorskip("aiohttp")
 
+from engine.server import bench_client as bench_serving  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
     make_engine,
@@ -23,7 +24,6 @@ from engine.server.testing import (  # noqa: E402
     wait_idle,
     write_test_checkpoint,
 )
-from tools import bench_serving  # noqa: E402
 
 CLIENTS = 64
 REQUESTS = 192

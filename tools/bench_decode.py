@@ -20,27 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from engine import envs
+from graphs.profile import make_batch
 
 BW = 4.28e12
-
-
-def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int, seed: int = 0):
-    from engine.step import StepBatch
-
-    rng = np.random.default_rng(seed)
-    ppseq = -(-ctx // page_size)
-    pages = rng.permutation(np.arange(1, num_pages))[: b * ppseq].reshape(b, ppseq)
-    pos = np.full(b, ctx - 1, np.int32)
-    slots = pages[:, (ctx - 1) // page_size] * page_size + (ctx - 1) % page_size
-    z = np.zeros(b, np.float32)
-    return StepBatch(
-        input_ids=rng.integers(0, vocab, b).astype(np.int32), positions=pos,
-        slot_mapping=slots.astype(np.int64), cu_seqlens_q=np.arange(b + 1, dtype=np.int32),
-        context_lens=np.full(b, ctx, np.int32), page_indices=pages.astype(np.int32),
-        sample_token_idx=np.arange(b, dtype=np.int32), temperature=z,
-        top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32), min_p=z,
-        seeds=np.arange(b, dtype=np.uint64), sample_steps=np.zeros(b, np.uint32),
-        num_logprobs=np.full(b, -1, np.int32))
 
 
 def host_launch_us(ex, step, reps: int = 5) -> dict:
@@ -75,11 +57,12 @@ def host_launch_us(ex, step, reps: int = 5) -> dict:
 
 
 def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -> list[dict]:
-    from engine.config import EngineConfig, ModelConfig
+    from engine.args import EngineArgs
+    from engine.config import ModelConfig
     from engine.cuda.driver import time_ms
     from engine.executor.cuda_executor import CudaExecutor
     from engine.model.loader import Checkpoint
-    from tools.make_checkpoint import hf_config, make_weights
+    from engine.model.synthetic import hf_config, make_weights
 
     mc = ModelConfig.from_dict(hf_config(preset))
     t0 = time.perf_counter()
@@ -87,21 +70,16 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
     print(f"{preset}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     bmax = max(batches)
     pages = bmax * -(-ctx // 16) + 8
-    ec = EngineConfig(model=preset, backend="cuda", max_model_len=max(ctx + 16, 2048),
-                      max_num_seqs=bmax, max_num_batched_tokens=max(bmax, 256),
-                      num_gpu_blocks_override=pages, enforce_eager=True).resolve(mc)
+    ec = EngineArgs(model=preset, backend="cuda", max_model_len=max(ctx + 16, 2048),
+                    max_num_seqs=bmax, max_num_batched_tokens=max(bmax, 256),
+                    num_gpu_blocks_override=pages, enforce_eager=True).create_engine_config(mc)
     ex = CudaExecutor(ckpt, ec)
     del ckpt
     wbytes = 2 * mc.num_parameters
     runner = None
     if graphs:
-        try:
-            from graphs.runner import GraphRunner
-
-            runner = GraphRunner(ex, buckets=sorted(set(batches)))
-            runner.capture_all()
-        except ImportError:
-            runner = None
+        runner = ex.graph_runner(sorted(set(batches)))
+        runner.capture_all()
     rows = []
     for b in batches:
         batch = make_batch(b, ctx, 16, ex.num_pages, mc.vocab_size)
@@ -141,7 +119,7 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
                  floor_ms=round(floor, 4), eager_floor_ratio=round(floor / eager_ms, 3),
                  num_splits=splits, host_launch_us=launch_us)
         if runner is not None:
-            g_ms, g_p99 = timed(lambda b=b: runner.replay_bucket(b))
+            g_ms, g_p99 = timed(lambda b=b: runner.replay(b))  # capture_all captured b
             r.update(graph_ms=round(g_ms, 4), graph_p99_ms=round(g_p99, 4),
                      graph_floor_ratio=round(floor / g_ms, 3))
         rows.append(r)

@@ -3,17 +3,16 @@ which are never dependencies of cuteinfer; run it in a separate environment).
 
     python -m tools.make_goldens [--out tests/goldens]
 
-For each case, the checkpoint is rebuilt deterministically by tools/make_checkpoint.py (so no
-weights are committed; the golden file records the safetensors sha256 to catch generator drift),
-loaded from disk by transformers in float32, and teacher-forced over fixed token sequences. Saved
-per case (npz, small): the token sequences, the logprob of each next token, the top-5 ids and
-logprobs per position, and greedy continuations from a few prompts.
+For each case (tests/goldens_cases.py), the checkpoint is rebuilt deterministically by
+engine/model/synthetic.py (so no weights are committed; the golden file records the safetensors
+sha256 to catch generator drift), loaded from disk by transformers in float32, and teacher-forced
+over fixed token sequences. Saved per case (npz, small): the token sequences, the logprob of each
+next token, the top-5 ids and logprobs per position, and greedy continuations from a few prompts.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import tempfile
@@ -21,20 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tools.make_checkpoint import write_checkpoint
+from tests.goldens_cases import CASES, build_case, weights_sha256
 
-# name -> (preset, config form, seed, overrides)
-# The Qwen3 cases are wider than the tiny-qwen3 preset: at hidden 128 the model's own bf16 noise
-# floor (HF bf16 vs HF fp32, mean 0.023-0.024 nat) was above the 0.02 bound a bf16 backend is held
-# to; at this shape HF bf16 lands at ~0.015 (recorded per case as hf_bf16_vs_f32 in index.json).
-_QW = {"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 8,
-       "num_key_value_heads": 4}
-CASES: dict[str, tuple[str, int, int, dict]] = {
-    "qwen3-tiny-f4": ("tiny-qwen3", 4, 1, dict(_QW)),
-    "qwen3-tiny-f5": ("tiny-qwen3", 5, 2, {**_QW, "tie_word_embeddings": False}),
-    "llama-tiny-f4": ("tiny-llama", 4, 3, {}),
-    "llama-small-f5": ("small-llama", 5, 4, {}),
-}
 SEQ_LENS = (1, 7, 16, 17, 33, 130, 300)
 GREEDY_PROMPT_LENS = (1, 5, 40)
 GREEDY_NEW = 16
@@ -49,18 +36,6 @@ def sequences(vocab: int, seed: int) -> list[list[int]]:
 def greedy_prompts(vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(2000 + seed)
     return [rng.integers(3, vocab, n).tolist() for n in GREEDY_PROMPT_LENS]
-
-
-def weights_sha256(d: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(d.glob("*.safetensors")):
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
-def build_case(name: str, root: Path) -> Path:
-    preset, form, seed, ov = CASES[name]
-    return write_checkpoint(root / name, preset, seed=seed, form=form, overrides=ov, quiet=True)
 
 
 def make(out: Path) -> None:

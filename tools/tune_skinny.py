@@ -33,7 +33,7 @@ from cutlass_kernels.gemm import SLAB, choose_split_k
 from cutlass_kernels.gemm_skinny import GemmSkinnySm90
 from cutlass_kernels.gemm_sm90 import BK
 from engine.cuda.driver import Context, Event, Stream, device_array, graph_time_ms
-from tools.make_checkpoint import PRESETS
+from engine.model.synthetic import PRESETS
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -1,4 +1,4 @@
-"""Thin, checked layer over ``cuda.bindings.driver``: context, stream, events, memory.
+"""Thin, checked layer over ``cuda.bindings.driver``: context, stream, events, memory, graphs.
 
 Every driver call goes through :func:`check`, so a failure names the call. Nothing here knows
 about models or kernels.
@@ -6,8 +6,11 @@ about models or kernels.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -47,8 +50,8 @@ def check(result: Any, call: str) -> Any:
 
 
 @functools.cache
-def gpu_available() -> str | None:
-    """Return None when a GPU is usable, else the reason it is not (for skips and 'auto')."""
+def gpu_unavailable_reason() -> str | None:
+    """Why no GPU is usable here (for test skips and errors), or None when a Hopper GPU is."""
     try:
         cu = _cu()
         check(cu.cuInit(0), "cuInit")
@@ -65,13 +68,18 @@ def gpu_available() -> str | None:
         return f"no usable NVIDIA GPU ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
 
 
+def gpu_usable() -> bool:
+    """True when a Hopper GPU is usable (what backend "auto" picks cuda by)."""
+    return gpu_unavailable_reason() is None
+
+
 class Context:
     """The device's primary context, made current on this thread."""
 
     _instance: Context | None = None
 
     def __init__(self, device: int = 0) -> None:
-        reason = gpu_available()
+        reason = gpu_unavailable_reason()
         if reason is not None:
             raise NoGpuError(reason)
         cu = _cu()
@@ -149,28 +157,106 @@ def time_ms(stream: Stream, fn: Any, iters: int, warmup: int = 3) -> np.ndarray:
     return ts
 
 
-def graph_time_ms(stream: Stream, body: Any, iters: int) -> float:
+def graph_time_ms(stream: Stream, body: Callable[[], None], iters: int) -> float:
     """Median device time (ms) of one replay of the CUDA graph captured from ``body()`` (work it
     enqueues on ``stream``); the graph is destroyed afterwards. For tools timing kernels the way
     a decode step runs them, back to back without host launch gaps."""
-    cu = _cu()
-    check(cu.cuStreamBeginCapture(
-        stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-        "cuStreamBeginCapture")
+    graph = Graph.capture(stream, body)
     try:
-        body()
+        ts = time_ms(stream, lambda: graph.launch(stream), iters)
     finally:
-        graph = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
-    try:
-        gexec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        try:
-            ts = time_ms(stream, lambda: check(cu.cuGraphLaunch(gexec, stream.handle),
-                                               "cuGraphLaunch"), iters)
-        finally:
-            cu.cuGraphExecDestroy(gexec)
-    finally:
-        cu.cuGraphDestroy(graph)
+        graph.destroy()
     return float(np.median(ts))
+
+
+class Graph:
+    """One captured CUDA graph, instantiated and uploaded: ``Graph.capture(stream, body)``,
+    ``launch(stream)``, ``destroy()``.
+
+    Capture is thread-local (``CU_STREAM_CAPTURE_MODE_THREAD_LOCAL``): only this thread's calls
+    are checked against the capture, so another thread's driver calls cannot invalidate it.
+    ``capture_s`` is the wall time from the start of capture to the uploaded graph;
+    ``mem_bytes`` the device memory that capture, instantiation and upload took (free memory
+    before and after; other allocations made meanwhile count too).
+    """
+
+    def __init__(self, graph: Any, exec_: Any, capture_s: float = 0.0, mem_bytes: int = 0) -> None:
+        self.graph = graph  # CUgraph (node topology: kernel names, DOT dumps)
+        self.exec = exec_  # CUgraphExec (what is launched)
+        self.capture_s = capture_s
+        self.mem_bytes = mem_bytes
+
+    @classmethod
+    def capture(cls, stream: Stream, body: Callable[[], None]) -> Graph:
+        """Record the work ``body()`` enqueues on ``stream``; instantiate and upload it. The
+        capture ends even when ``body`` raises (the stream leaves capture mode, the partial graph
+        is destroyed, and ``body``'s error is the one raised). ``body`` must not compile or
+        allocate: warm it up first."""
+        cu = _cu()
+        stream.synchronize()  # free memory is read with every earlier step done
+        free0, _ = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        t0 = time.perf_counter()
+        check(cu.cuStreamBeginCapture(
+            stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+            "cuStreamBeginCapture")
+        try:
+            body()
+        except BaseException:
+            with contextlib.suppress(CudaError):  # an invalidated capture ends without a graph
+                partial = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+                cls(partial, None).destroy()
+            raise
+        graph = cls(check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture"), None)
+        try:
+            graph.exec = check(cu.cuGraphInstantiate(graph.graph, 0), "cuGraphInstantiate")
+            check(cu.cuGraphUpload(graph.exec, stream.handle), "cuGraphUpload")
+            stream.synchronize()
+        except BaseException:
+            with contextlib.suppress(CudaError):
+                graph.destroy()
+            raise
+        graph.capture_s = time.perf_counter() - t0
+        free1, _ = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        graph.mem_bytes = max(0, free0 - free1)
+        return graph
+
+    def launch(self, stream: Stream) -> None:
+        if self.exec is None:
+            raise CudaError("cuGraphLaunch of a destroyed (or never instantiated) graph")
+        check(_cu().cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        """Free the executable graph and the graph; a second call does nothing."""
+        cu = _cu()
+        exec_, self.exec = self.exec, None
+        graph, self.graph = self.graph, None
+        if exec_ is not None:
+            check(cu.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
+        if graph is not None:
+            check(cu.cuGraphDestroy(graph), "cuGraphDestroy")
+
+    def kernel_names(self) -> list[str]:
+        """Kernel name of every kernel node (in node order)."""
+        cu = _cu()
+        _, n = check(cu.cuGraphGetNodes(self.graph, 0), "cuGraphGetNodes")
+        nodes, _ = check(cu.cuGraphGetNodes(self.graph, n), "cuGraphGetNodes")
+        names = []
+        for node in nodes:
+            if check(cu.cuGraphNodeGetType(node), "cuGraphNodeGetType") != \
+                    cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+                continue
+            params = check(cu.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
+            try:
+                name = check(cu.cuFuncGetName(params.func), "cuFuncGetName")
+                names.append(name.decode() if isinstance(name, bytes) else str(name))
+            except Exception:  # older drivers: no cuFuncGetName
+                names.append("kernel")
+        return names
+
+    def write_dot(self, path: str) -> None:
+        """The graph's structure as a Graphviz DOT file (kernel names, node types)."""
+        check(_cu().cuGraphDebugDotPrint(self.graph, str(path).encode(), 0),
+              "cuGraphDebugDotPrint")
 
 
 _NP_OF = {"bf16": None, "f32": np.float32, "i32": np.int32, "i64": np.int64, "u32": np.uint32,

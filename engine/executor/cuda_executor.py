@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -26,6 +27,8 @@ from engine.executor.cuda_model import (
 )
 from engine.model.loader import Checkpoint
 from engine.step import Logprobs, StepBatch, StepOutput
+from graphs.buckets import bucket_for, bucket_sizes
+from graphs.runner import DecodePlan, GraphRunner
 
 
 class CudaExecutor(Executor):
@@ -56,12 +59,10 @@ class CudaExecutor(Executor):
             print(f"[cuteinfer] cuda: {self.ctx.name}, kernels compiled in {self.compile_s:.1f}s,"
                   f" arena {arena_bytes / 2**30:.2f} GiB, KV {self.num_pages} pages "
                   f"({self.kv_bytes / 2**30:.2f} GiB)", file=sys.stderr)
-        self.graphs = None  # graphs.GraphRunner: decode steps replay per-bucket graphs
+        self.graphs: GraphRunner | None = None  # decode steps replay per-bucket graphs
         self.graph_stats: dict[str, float] = {}
         if not config.enforce_eager:
-            from graphs.runner import GraphRunner
-
-            self.graphs = GraphRunner(self)
+            self.graphs = self.graph_runner()
             if not self.graphs.lazy:
                 self.graph_stats = self.graphs.capture_all(show=verbose)
 
@@ -222,10 +223,35 @@ class CudaExecutor(Executor):
     def decode_splits(self, batch: int) -> int:
         """Split-KV factor of a decode step: fixed per bucket (from max_model_len), so an eager
         step and its bucket's graph run the same kernels with the same launch parameters."""
-        from graphs.buckets import bucket_for, bucket_sizes
-
-        bk = bucket_for(batch, bucket_sizes(self.sizes.b_max, self.config.cuda_graph_max_bs))
+        bk = bucket_for(batch, self._buckets())
         return self._num_splits(bk or batch, self.sizes.max_pos)
+
+    def _buckets(self) -> list[int]:
+        return bucket_sizes(self.sizes.b_max, self.config.cuda_graph_max_bs)
+
+    # -- decode graphs ---------------------------------------------------------------------------
+    def graph_runner(self, buckets: Sequence[int] | None = None) -> GraphRunner:
+        """A runner of decode graphs over this executor's static buffers: the engine's buckets,
+        or (tools) the given ones, each captured with the split-KV factor ``decode_splits``
+        gives it."""
+        bks = tuple(sorted(set(buckets))) if buckets else tuple(self._buckets())
+        plan = DecodePlan(bks, {b: self.decode_splits(b) for b in bks},
+                          lazy=bool(self.config.lazy_graph_capture))
+        return GraphRunner(plan, self.stage_padding, self.decode_body, self.stream)
+
+    def stage_padding(self, bucket: int) -> None:
+        """Valid padding inputs in every row of ``bucket`` (graphs are captured over real
+        buffers): an empty step padded to the bucket."""
+        z = np.zeros(0, np.int32)
+        b = StepBatch(input_ids=z, positions=z, slot_mapping=np.zeros(0, np.int64),
+                      cu_seqlens_q=np.zeros(1, np.int32), context_lens=z,
+                      page_indices=np.zeros((0, 1), np.int32), sample_token_idx=z,
+                      temperature=np.zeros(0, np.float32), top_k=z,
+                      top_p=np.zeros(0, np.float32), min_p=np.zeros(0, np.float32),
+                      seeds=np.zeros(0, np.uint64), sample_steps=np.zeros(0, np.uint32),
+                      num_logprobs=z)
+        self.upload(b, pad_to=bucket)
+        self.upload_sampling(b, pad_to=bucket)
 
     def execute(self, b: StepBatch) -> StepOutput:
         self._check(b)
@@ -235,11 +261,13 @@ class CudaExecutor(Executor):
         graph = False
         tokens = np.zeros(0, np.int32)
         if b.is_decode and s_rows == b.num_seqs:
-            bucket = self.graphs.bucket(b) if self.graphs is not None else None
+            bucket = None
+            if self.graphs is not None and self.graphs.can_replay(b.num_seqs):
+                bucket = self.graphs.pad(b.num_seqs)  # a lazy capture runs here, before upload
             self.upload(b, pad_to=bucket)
             self.upload_sampling(b, pad_to=bucket)
-            if bucket is not None:
-                self.graphs.launch(bucket)
+            if self.graphs is not None and bucket is not None:
+                self.graphs.replay(bucket)
                 graph = True
             else:
                 self.decode_body(b.num_seqs, self.decode_splits(b.num_seqs))

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.kv import testing
 from engine.kv.block_manager import BlockManager, max_page_refs
 from engine.kv.errors import KVCacheError, KVUsageError, OutOfPagesError
 from engine.kv.invariants import check_invariants
+from engine.kv.workloads import COVERAGE, Workload, prompts, workloads
 
 Content = tuple[object, ...]  # what "execute" wrote into a slot: (salt, token prefix) or garbage
 
@@ -66,23 +66,23 @@ def _cdiv(a: int, b: int) -> int:
 
 class KVStateMachine(RuleBasedStateMachine):
     manager_cls: type[BlockManager] = BlockManager
-    workload_strategy: st.SearchStrategy[testing.Workload] = testing.workloads()
+    workload_strategy: st.SearchStrategy[Workload] = workloads()
 
     def __init__(self) -> None:
         super().__init__()
         self.m = _Model()
-        self.w: testing.Workload
+        self.w: Workload
         self.bm: BlockManager
-        testing.COVERAGE.examples += 1
+        COVERAGE.examples += 1
 
     def _event(self, name: str) -> None:
-        testing.COVERAGE.events[name] += 1
+        COVERAGE.events[name] += 1
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         self.w = data.draw(self.workload_strategy, label="workload")
         self.bm = self.w.make_manager(self.manager_cls)
-        w, seen = self.w, testing.COVERAGE.workloads
+        w, seen = self.w, COVERAGE.workloads
         for key in (f"duplicate_policy={w.duplicate_policy}", f"page_size={w.page_size}",
                     f"prefix_caching at start={w.prefix_caching}", f"weak_hash={w.weak_hash}",
                     f"padding page={w.reserve_padding_page}", f"max_batch={w.max_batch}"):
@@ -144,12 +144,12 @@ class KVStateMachine(RuleBasedStateMachine):
         ok = self._applicable()
         mix = [a for a, weight in self.w.mix if ok.get(a, True) for _ in range(weight)]
         action = data.draw(st.sampled_from(mix), "action")
-        testing.COVERAGE.rules[action] += 1
+        COVERAGE.rules[action] += 1
         getattr(self, action)(data)
 
     def admit(self, data: st.DataObject) -> None:
         w, m = self.w, self.m
-        prompt = data.draw(testing.prompts(w.alphabet, w.max_model_len, m.history), "prompt")
+        prompt = data.draw(prompts(w.alphabet, w.max_model_len, m.history), "prompt")
         m.history = (m.history + [prompt])[-8:]
         req = _Req(m.next_rid, data.draw(st.sampled_from(w.salts), "salt"), list(prompt),
                    len(prompt))
@@ -314,7 +314,7 @@ class KVStateMachine(RuleBasedStateMachine):
     @invariant()
     def invariants_hold(self) -> None:
         bm, w, m = self.bm, self.w, self.m
-        testing.COVERAGE.steps += 1
+        COVERAGE.steps += 1
         total = check_invariants(bm, max_batch=w.max_batch, max_model_len=w.max_model_len)
         assert total <= max_page_refs(w.max_batch, w.max_model_len, w.page_size)
         assert set(bm.request_ids()) == set(m.live), "requests lost or invented"
@@ -332,7 +332,7 @@ class KVStateMachine(RuleBasedStateMachine):
                 got = m.content.get(pages[q // ps] * ps + q % ps)
                 assert got == (req.salt, tuple(req.tokens[:q + 1])), (
                     f"request {req.rid} position {q} reads KV of {got}")
-        cov = testing.COVERAGE
+        cov = COVERAGE
         cov.max_pages_in_use = max(cov.max_pages_in_use, bm.num_in_use)
         cov.max_byref_over_pool = max(cov.max_byref_over_pool, total / bm.num_pages)
         if total > bm.num_pages:
@@ -340,4 +340,4 @@ class KVStateMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         if hasattr(self, "bm"):
-            testing.COVERAGE.manager.update(self.bm.stats())
+            COVERAGE.manager.update(self.bm.stats())

@@ -40,7 +40,6 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.server.stream import (
     ACCEPTED,
-    DeltaCursor,
     EngineDeadError,
     RequestStream,
     StreamDelta,
@@ -70,7 +69,7 @@ class AsyncEngine:
         self._fatal: str | None = None
         self._refusing: str | None = None  # why add() refuses (draining or shut down)
         self._stopping = False  # the loop thread should exit
-        self._tracked: dict[str, DeltaCursor] = {}  # accepted requests; engine thread only
+        self._tracked: dict[str, RequestStream] = {}  # accepted requests; engine thread only
         self._stop_watch = threading.Event()
         self._snapshot: dict[str, Any] = {}
         self._snapshot_at = 0.0
@@ -212,7 +211,7 @@ class AsyncEngine:
         except Exception as e:  # refused: the handler turns it into a 400 (or a 500 if a bug)
             posts.append((stream, e))
             return
-        self._tracked[req.request_id] = DeltaCursor(stream, req)
+        self._tracked[req.request_id] = stream
         posts.append((stream, ACCEPTED))
 
     def _do_abort(self, request_id: str) -> None:
@@ -229,12 +228,12 @@ class AsyncEngine:
         posts: list[tuple[RequestStream, Any]] = []
         for req in changed:
             rid = req.request_id
-            t = self._tracked.get(rid)
-            if t is None:  # aborted meanwhile
+            stream = self._tracked.get(rid)
+            if stream is None:  # aborted meanwhile
                 if req.is_finished:
                     eng.pop_finished(rid)
                 continue
-            posts.append((t.stream, t.delta(eng.visible_text(req))))
+            posts.append((stream, eng.delta(req)))
             if req.is_finished:
                 del self._tracked[rid]
                 eng.pop_finished(rid)

@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine.commands.generate import add_engine_arguments, engine_options, positive_int
-from engine.config import EngineConfig
+from engine.args import EngineArgs
+from engine.commands.generate import positive_int
 from engine.engine import LLMEngine
 from engine.server.app import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.launch import OpenAIServer  # fastapi / uvicorn: the `server` extra
@@ -26,7 +26,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
+    EngineArgs.add_cli_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(a: argparse.Namespace) -> int:
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
-    eng = LLMEngine(EngineConfig.from_kwargs(model=a.model, **engine_options(a)))
+    eng = LLMEngine(EngineArgs.from_cli_args(a))
     print(f"[cuteinfer] model {eng.model_dir.name} ({eng.model_config.architecture}) on backend "
           f"{eng.backend}, max_model_len {eng.config.max_model_len}, "
           f"{eng.block_manager.num_pages} KV pages, loaded in {time.perf_counter() - t0:.1f}s",

@@ -165,6 +165,7 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
+    return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:N"
 
     def check_supported(self) -> None:
         if self.n not in (None, 1):

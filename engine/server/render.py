@@ -37,25 +37,26 @@ def _lp(x: float) -> float:
     return x if math.isfinite(x) else MIN_LOGPROB
 
 
-def _token(lp: Logprob | None, token_id: int) -> str:
-    if lp is None or lp.decoded_token is None:
+def _token(lp: Logprob | None, token_id: int, as_ids: bool = False) -> str:
+    if as_ids or lp is None or lp.decoded_token is None:
         return f"token_id:{token_id}"  # no tokenizer: name the id, as vLLM does
     return lp.decoded_token
 
 
 def completion_logprobs(token_ids: Sequence[int], lps: Sequence[LogprobDict],
-                        offset: int) -> tuple[dict[str, Any], int]:
+                        offset: int, as_ids: bool = False) -> tuple[dict[str, Any], int]:
     """The legacy completions shape: tokens, token_logprobs, top_logprobs (the sampled token
-    plus the top n, as a token -> logprob map), text_offset. Returns it and the next offset."""
+    plus the top n, as a token -> logprob map), text_offset. Returns it and the next offset.
+    ``as_ids``: tokens as "token_id:N" (vLLM's ``return_tokens_as_token_ids``)."""
     tokens: list[str] = []
     token_lps: list[float] = []
     tops: list[dict[str, float]] = []
     offsets: list[int] = []
     for tid, d in zip(token_ids, lps, strict=False):
-        s = _token(d.get(tid), tid)
+        s = _token(d.get(tid), tid, as_ids)
         tokens.append(s)
         token_lps.append(_lp(d[tid].logprob) if tid in d else MIN_LOGPROB)
-        tops.append({_token(v, t): _lp(v.logprob) for t, v in d.items()})
+        tops.append({_token(v, t, as_ids): _lp(v.logprob) for t, v in d.items()})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -67,15 +68,16 @@ def _chat_entry(s: str, logprob: float) -> dict[str, Any]:
 
 
 def chat_logprobs(token_ids: Sequence[int], lps: Sequence[LogprobDict],
-                  top_n: int) -> list[dict[str, Any]]:
+                  top_n: int, as_ids: bool = False) -> list[dict[str, Any]]:
     """The chat shape: per token {token, logprob, bytes, top_logprobs: the n most likely}."""
     out = []
     for tid, d in zip(token_ids, lps, strict=False):
         chosen = d.get(tid)
-        entry = _chat_entry(_token(chosen, tid), chosen.logprob if chosen else MIN_LOGPROB)
+        entry = _chat_entry(_token(chosen, tid, as_ids),
+                            chosen.logprob if chosen else MIN_LOGPROB)
         ranked = sorted((v.rank, t, v) for t, v in d.items()
                         if v.rank is not None and v.rank <= top_n)
-        entry["top_logprobs"] = [_chat_entry(_token(v, t), v.logprob)
+        entry["top_logprobs"] = [_chat_entry(_token(v, t, as_ids), v.logprob)
                                  for _, t, v in ranked[:top_n]]
         out.append(entry)
     return out

@@ -32,7 +32,6 @@ from engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
-    is_text,
     server_error,
     unavailable,
 )
@@ -58,6 +57,7 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name
         self.tokenizer = engine.engine.tokenizer  # encode / templates are thread-safe reads
+        self.input_processor = engine.engine.input_processor
         self.max_model_len: int = engine.engine.config.max_model_len or 0
         self.vocab_size = engine.engine.model_config.vocab_size
         # text longer than this (UTF-8 bytes) cannot tokenize to fewer than max_model_len tokens
@@ -135,7 +135,8 @@ class OpenAIServing:
             return Response(status_code=499)
         lp = None
         if body.logprobs is not None:
-            lp, _ = completion_logprobs(d.token_ids, d.logprobs or [], 0)
+            lp, _ = completion_logprobs(d.token_ids, d.logprobs or [], 0,
+                                        bool(body.return_tokens_as_token_ids))
         choice = {"index": 0, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason,
                   "stop_reason": d.stop_reason}
         return JSONResponse({**head, "choices": [choice], "usage": usage(d)})
@@ -148,7 +149,8 @@ class OpenAIServing:
             nonlocal offset
             lp = None
             if body.logprobs is not None:
-                lp, offset = completion_logprobs(d.token_ids, d.logprobs or [], offset)
+                lp, offset = completion_logprobs(d.token_ids, d.logprobs or [], offset,
+                                                 bool(body.return_tokens_as_token_ids))
             return {"index": 0, "text": d.text, "logprobs": lp,
                     "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
 
@@ -186,7 +188,8 @@ class OpenAIServing:
         lp = None
         if body.logprobs:
             lp = {"content": chat_logprobs(d.token_ids, d.logprobs or [],
-                                           body.top_logprobs or 0)}
+                                           body.top_logprobs or 0,
+                                           bool(body.return_tokens_as_token_ids))}
         choice = {"index": 0, "message": {"role": "assistant", "content": d.text},
                   "logprobs": lp, "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
         return JSONResponse({**head, "choices": [choice], "usage": usage(d)})
@@ -195,13 +198,13 @@ class OpenAIServing:
                 kwargs: dict[str, Any]) -> list[int]:
         """Worker thread: the conversation through the chat template, then the tokenizer."""
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                           **kwargs)
+            text = self.input_processor.render_chat(messages, add_generation_prompt, **kwargs)
+        except RequestError:  # a template variable the checks did not reach
+            raise bad_request(f"the rendered conversation is {INVALID_TEXT}", "messages") \
+                from None
         except Exception as e:  # the template is user-facing input validation (raise_exception)
             raise bad_request(f"the chat template could not render these messages: {e}",
                               "messages") from None
-        if not is_text(text):  # a template variable the checks did not reach
-            raise bad_request(f"the rendered conversation is {INVALID_TEXT}", "messages")
         self.check_text_size(text, "messages")
         return tok.encode(text, add_special_tokens=False)
 
@@ -216,7 +219,8 @@ class OpenAIServing:
             lp = None
             if body.logprobs:
                 lp = {"content": chat_logprobs(d.token_ids, d.logprobs or [],
-                                               body.top_logprobs or 0)}
+                                               body.top_logprobs or 0,
+                                               bool(body.return_tokens_as_token_ids))}
             return {"index": 0, "delta": {"content": d.text} if d.text else {},
                     "logprobs": lp, "finish_reason": d.finish_reason,
                     "stop_reason": d.stop_reason}

@@ -1,14 +1,13 @@
 """The asyncio side of a request: ``RequestStream`` yields the ``StreamDelta``s the engine thread
-posts to it (``deliver``: by ``loop.call_soon_threadsafe``), ending with a finished one; a
-``DeltaCursor`` turns a request's progress into the next delta."""
+posts to it (``deliver``: by ``loop.call_soon_threadsafe``), ending with a finished one. The
+deltas are the output processor's (``LLMEngine.delta``: one cursor per request)."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from engine.request import LogprobDict, Request
+from engine.outputs import RequestDelta
 
 if TYPE_CHECKING:
     from engine.server.async_engine import AsyncEngine
@@ -18,27 +17,7 @@ class EngineDeadError(RuntimeError):
     """The engine loop is dead, stalled or shutting down: no request can be served."""
 
 
-@dataclass
-class StreamDelta:
-    """What one step added to a request: new text and tokens, and how it ended (if it did)."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[LogprobDict] | None
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None
-    error: str | None = None
-    fatal: bool = False  # the engine died under the request (HTTP 503 rather than 500)
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0  # cumulative
-    num_cached_tokens: int = 0
-
-    def merge(self, later: StreamDelta) -> StreamDelta:
-        """This delta followed by ``later``, as one."""
-        lps = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
-        return replace(later, text=self.text + later.text,
-                       token_ids=self.token_ids + later.token_ids, logprobs=lps)
+StreamDelta = RequestDelta  # the output processor's delta, as the engine thread posts it
 
 
 ACCEPTED = object()  # first item of an accepted request's queue
@@ -98,30 +77,6 @@ class RequestStream:
         self.finished = self.aborted = True
         self._owner.abort(self)
         self._queue.put_nowait(None)
-
-
-@dataclass
-class DeltaCursor:
-    """What of an accepted request its stream was sent so far (engine thread only)."""
-
-    stream: RequestStream
-    req: Request
-    sent_text: int = 0
-    sent_tokens: int = 0
-
-    def delta(self, text: str) -> StreamDelta:
-        req = self.req
-        toks = req.output_token_ids
-        new_text = text[self.sent_text:]
-        self.sent_text = max(self.sent_text, len(text))
-        new_toks = list(toks[self.sent_tokens:])
-        lps = list(req.logprobs[self.sent_tokens:]) if req.params.logprobs is not None else None
-        self.sent_tokens = len(toks)
-        return StreamDelta(
-            new_text, new_toks, lps, req.is_finished,
-            req.finish_reason.value if req.finish_reason else None, req.stop_reason, req.error,
-            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(toks),
-            num_cached_tokens=req.num_cached_tokens)
 
 
 def deliver(posts: list[tuple[RequestStream, Any]]) -> None:

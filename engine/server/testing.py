@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.args import EngineArgs
 from engine.engine import LLMEngine
 from engine.server.launch import OpenAIServer
 
@@ -31,7 +31,7 @@ CHAT_OVERRIDES = {"hidden_size": 64, "intermediate_size": 128, "num_attention_he
 
 def write_test_checkpoint(out: str | Path, kind: str = "tiny") -> Path:
     """``kind`` "tiny" (no tokenizer) or "chat" (Qwen3 tokenizer + chat template)."""
-    from tools.make_checkpoint import write_checkpoint
+    from engine.model.synthetic import write_checkpoint
 
     if kind == "tiny":
         return write_checkpoint(out, "tiny-qwen3", quiet=True)
@@ -43,7 +43,7 @@ def write_test_checkpoint(out: str | Path, kind: str = "tiny") -> Path:
 
 def make_engine(model_dir: str | Path, **options: Any) -> LLMEngine:
     opts: dict[str, Any] = {"backend": "numpy", "max_model_len": 256, **options}
-    return LLMEngine(EngineConfig.from_kwargs(model=str(model_dir), **opts))
+    return LLMEngine(EngineArgs.from_kwargs(model=str(model_dir), **opts))
 
 
 @contextmanager

@@ -8,9 +8,9 @@ import pytest
 
 
 def _skip_reason() -> str | None:
-    from engine.cuda.driver import gpu_available
+    from engine.cuda.driver import gpu_unavailable_reason
 
-    reason = gpu_available()
+    reason = gpu_unavailable_reason()
     if reason is not None:
         return reason
     if importlib.util.find_spec("cutlass") is None:

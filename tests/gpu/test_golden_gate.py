@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.model.synthetic import write_checkpoint
 from tests.tolerances import TOL
-from tools.make_checkpoint import write_checkpoint
 
 LENS = [2, 17, 64, 100, 128, 255, 256, 300, 511, 512, 600, 777, 900, 1000, 1023, 1024]
 

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.config import EngineConfig, ModelConfig
+from engine.args import EngineArgs
+from engine.config import ModelConfig
 from engine.executor.cuda_executor import CudaExecutor
 from engine.model.loader import load_checkpoint
+from engine.model.synthetic import write_checkpoint
 from graphs.buckets import bucket_for
-from tools.bench_decode import make_batch
-from tools.make_checkpoint import write_checkpoint
+from graphs.profile import make_batch
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,9 @@ def _report(rec):
 
 def test_replay_bit_identical_to_eager_padded(model_dir):
     mc = ModelConfig.from_pretrained(model_dir)
-    ec = EngineConfig(model=str(model_dir), backend="cuda", max_num_seqs=256,
-                      max_model_len=1024, num_gpu_blocks_override=256 * 20 + 8,
-                      lazy_graph_capture=True).resolve(mc)
+    ec = EngineArgs(model=str(model_dir), backend="cuda", max_num_seqs=256,
+                    max_model_len=1024, num_gpu_blocks_override=256 * 20 + 8,
+                    lazy_graph_capture=True).create_engine_config(mc)
     ex = CudaExecutor(load_checkpoint(model_dir, mc), ec, verbose=False)
     buf = ex.buf
     # every bucket of the default list (1, 2, 4, 8, 16, ..., 256) exactly, and padded batches
@@ -53,10 +54,10 @@ def test_replay_bit_identical_to_eager_padded(model_dir):
         buf.logits.fill_bytes(0xFF, ex.stream)  # poison
         buf.sampled.fill_bytes(0xFF, ex.stream)
         bk = bucket_for(b, ex.graphs.buckets)
-        ex.graphs.bucket(batch)  # lazy capture of this bucket
+        assert ex.graphs.can_replay(b) and ex.graphs.pad(b) == bk  # lazy capture of this bucket
         ex.upload(batch, pad_to=bk)
         ex.upload_sampling(batch, pad_to=bk)
-        ex.graphs.launch(bk)
+        ex.graphs.replay(bk)
         g_logits = buf.logits.download(np.empty((b, mc.vocab_size), np.float32), ex.stream)
         g_tok = buf.sampled.download(np.empty(b, np.int32), ex.stream)
         ex.stream.synchronize()

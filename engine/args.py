@@ -1,0 +1,227 @@
+"""EngineArgs: the engine options as a user gives them (vLLM's names), resolved once into the
+concrete, checked ``EngineConfig`` the engine runs with.
+
+    args = EngineArgs.from_kwargs(max_num_seqs=8)          # LLM(model, backend, **options)
+    EngineArgs.add_cli_args(parser)                        # generate / serve: a flag per field
+    args = EngineArgs.from_cli_args(parser.parse_args())
+    config = args.create_engine_config(model_config)       # "auto" resolved, checks run, here
+
+Each option is written once, as a field below: its default, its help (vLLM's wording where vLLM
+has the option) and its choices; the command line is built from the fields. Fields with
+``cli=False`` are internal (tests, tools): ``from_kwargs`` only. Nothing is checked before
+``create_engine_config``, which checks everything (types first, then ranges, then against the
+model) and fills what the model and the backend decide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import types
+from collections.abc import Iterable
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, get_args, get_type_hints
+
+from engine.config import ConfigError, EngineConfig, ModelConfig
+from engine.executor.registry import AUTO, BACKEND_CHOICES, BACKENDS, check_backend, resolve_backend
+from engine.jsonfile import is_int, is_number
+from engine.kv.block_manager import DUPLICATE_POLICIES
+
+# long_prefill_token_threshold by default, per backend: on numpy a 2048-token chunk of the
+# embedded model takes 20-35 s on 2 cores, so one long prompt would hold every other request
+# back until its prefill is done; on cuda the whole budget is one fast step (no cap).
+DEFAULT_LONG_PREFILL_TOKENS = {"numpy": 256, "cuda": 0}
+
+
+def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
+            cli: bool = True) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine options, vLLM's names. See the module docstring."""
+
+    model: str = _option(
+        "", "Path of the Hugging Face checkpoint directory to use (config.json, safetensors, "
+        "tokenizer). Empty: the embedded default, SmolLM2-135M-Instruct (fetched once).")
+    backend: str = _option(
+        AUTO, "Where the model runs: cuda (CuTe DSL kernels and CUDA graphs on a Hopper GPU), "
+        "numpy (the CPU reference) or auto (cuda when a Hopper GPU is usable, else numpy).",
+        choices=BACKEND_CHOICES)
+    max_model_len: int | None = _option(
+        None, "Model context length (prompt and output). If unspecified, will be automatically "
+        "derived from the model config (max_position_embeddings).")
+    max_num_seqs: int = _option(
+        256, "Maximum number of sequences to be processed in a single iteration.")
+    max_num_batched_tokens: int = _option(
+        2048, "Maximum number of tokens to be processed in a single iteration.")
+    long_prefill_token_threshold: int | None = _option(
+        None, "For chunked prefill, the most prompt tokens one request computes in a single "
+        "iteration (0 = no cap), so that one long prompt leaves room for the other requests. "
+        "If unspecified: 256 on numpy, no cap on cuda.")
+    block_size: int = _option(
+        16, "Size of a contiguous cache block in number of tokens (a power of two).")
+    enable_prefix_caching: bool = _option(True, "Whether to enable prefix caching.")
+    num_gpu_blocks_override: int | None = _option(
+        None, "Number of GPU blocks to use (>= 2: one is the padding page). This overrides the "
+        "profiled num_gpu_blocks if specified; on numpy it is the number of KV pages. Used for "
+        "testing preemption.")
+    gpu_memory_utilization: float = _option(
+        0.9, "The fraction of GPU memory to be used for the model executor, which can range "
+        "from 0 to 1. For example, a value of 0.5 would imply 50% GPU memory utilization.")
+    enforce_eager: bool = _option(
+        False, "Whether to always run the model eagerly. If True, CUDA graphs are disabled; if "
+        "False, decode steps replay the CUDA graph captured for their batch size.")
+    enable_chunked_prefill: bool = _option(
+        True, "If True, prefill requests can be chunked based on the remaining "
+        "max_num_batched_tokens.")
+    seed: int = _option(
+        0, "Random seed for reproducibility: requests without a seed of their own draw theirs "
+        "from it.")
+    duplicate_policy: str = _option(
+        "allow", "Prefix cache: a request completes a page whose tokens are already cached on "
+        "another page. allow keeps both; reject swaps the cached page in and frees the new one.",
+        choices=DUPLICATE_POLICIES, cli=False)
+    cpu_kv_pages: int = _option(
+        512, "numpy backend: KV pages to allocate when num_gpu_blocks_override is not given "
+        "(at most what max_num_seqs requests of max_model_len need, and about 1 GiB).",
+        cli=False)
+    cuda_graph_max_bs: int | None = _option(
+        None, "The largest batch size captured as a CUDA graph (default: max_num_seqs, at most "
+        "256); larger decode batches run eagerly.")
+    lazy_graph_capture: bool = _option(
+        False, "Capture each batch size's CUDA graph when it is first used instead of at "
+        "start-up (tests and the graph profiler).", cli=False)
+    prompt_logprobs_prefix_cache: bool = _option(
+        False, "Let requests that ask for prompt logprobs use the prefix cache (vLLM skips it "
+        "for them); positions served from the cache then report None. Used by the golden gate.",
+        cli=False)
+
+    # -- building ------------------------------------------------------------------------------
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """``EngineArgs(**kwargs)``, refusing a name that is not an option (and naming those
+        that are) instead of Python's TypeError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in kwargs if k not in known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     exclude: Iterable[str] = ()) -> argparse.ArgumentParser:
+        """Add a ``--flag-name`` per option (``cli=False`` ones and ``exclude`` left out):
+        booleans as ``--x / --no-x``, the field's default, type, choices and help."""
+        exclude = set(exclude)
+        by_name = {f.name: f for f in fields(cls)}
+        if exclude - by_name.keys():
+            raise ValueError(f"exclude names {sorted(exclude - by_name.keys())} are not engine "
+                             f"options; known: {sorted(by_name)}")
+        group = parser.add_argument_group("engine options (vLLM's names)")
+        for f in fields(cls):
+            if f.name in exclude or not f.metadata["cli"]:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            kind, _ = _kind(f)
+            helptext = f.metadata["help"].replace("%", "%%")
+            if f.default not in (None, ""):
+                helptext += " (default: %(default)s)"
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                   default=f.default, help=helptext)
+            else:
+                group.add_argument(flag, type=kind, default=f.default,
+                                   choices=f.metadata["choices"], help=helptext)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        """The options in ``namespace`` (parsed after ``add_cli_args``); those not on the command
+        line keep their defaults."""
+        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)
+                      if hasattr(namespace, f.name)})
+
+    # -- resolving -----------------------------------------------------------------------------
+    def create_engine_config(self, model_config: ModelConfig,
+                             backend: str | None = None) -> EngineConfig:
+        """Check every option and resolve the ones the model and the backend decide:
+        ``backend`` ("auto" becomes cuda or numpy; or pass the concrete backend already chosen),
+        ``max_model_len`` (the model's max_position_embeddings by default, never above it) and
+        ``long_prefill_token_threshold`` (per backend). Raises ConfigError naming the option."""
+        self._check()
+        if backend is None:
+            backend = resolve_backend(self.backend)
+        else:
+            check_backend(backend, BACKENDS)
+            if self.backend not in (AUTO, backend):
+                raise ConfigError(f"backend {backend!r} was chosen for options that ask for "
+                                  f"backend {self.backend!r}; pass one of them only")
+        max_pos = model_config.max_position_embeddings
+        mml = max_pos if self.max_model_len is None else self.max_model_len
+        if mml > max_pos:
+            raise ConfigError(
+                f"max_model_len {mml} exceeds the model's max_position_embeddings "
+                f"({max_pos}); lower max_model_len")
+        lp = self.long_prefill_token_threshold
+        if lp is None:
+            lp = DEFAULT_LONG_PREFILL_TOKENS[backend]
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return EngineConfig(**{**values, "backend": backend, "max_model_len": mml,
+                               "long_prefill_token_threshold": lp})
+
+    def _check(self) -> None:
+        for f in fields(self):
+            kind, optional = _kind(f)
+            v = getattr(self, f.name)
+            if not (v is None and optional) and not _CHECKS[kind](v):
+                what = _WHAT[kind] + (" or None" if optional else "")
+                raise ConfigError(f"{f.name} must be {what}, got {v!r}")
+        check_backend(self.backend)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 = no cap), got "
+                              f"{self.long_prefill_token_threshold}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError("num_gpu_blocks_override must be >= 2 (one page is the padding "
+                              f"page), got {self.num_gpu_blocks_override}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1], got "
+                              f"{self.gpu_memory_utilization}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if self.duplicate_policy not in DUPLICATE_POLICIES:
+            raise ConfigError(f"duplicate_policy {self.duplicate_policy!r}: use "
+                              + " or ".join(repr(p) for p in DUPLICATE_POLICIES))
+        if self.cpu_kv_pages < 1:
+            raise ConfigError(f"cpu_kv_pages must be >= 1, got {self.cpu_kv_pages}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ConfigError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+
+
+_CHECKS = {bool: lambda v: isinstance(v, bool), int: is_int, float: is_number,
+           str: lambda v: isinstance(v, str)}
+_WHAT = {bool: "True or False", int: "an integer", float: "a number", str: "a string"}
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return get_type_hints(EngineArgs)
+
+
+def _kind(f: Field[Any]) -> tuple[type, bool]:
+    """(bool | int | float | str, whether None is allowed) of an option, from its annotation."""
+    hint = _hints()[f.name]
+    args = get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    kinds = [a for a in args if a is not type(None)]
+    assert len(kinds) == 1 and kinds[0] in _CHECKS, f"{f.name}: unsupported type {hint}"
+    return kinds[0], len(kinds) < len(args)

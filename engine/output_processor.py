@@ -1,0 +1,157 @@
+"""After each step: token ids -> text. Incremental detokenization, stop strings, decoded logprob
+tokens, the text safe to show, and ``RequestOutput``.
+
+The scheduler has already appended the step's tokens and finished requests on EOS, a stop token
+or length. Here each new token's text is added; a stop string that appears (it may straddle
+tokens: vLLM's rule) cuts the text before it (after it with ``include_stop_str_in_output``) and
+ends the request with ``finish_reason "stop"`` and the string as ``stop_reason`` -- aborting it in
+the core if it was still running (``finish``), overriding length/EOS if the same token ended it
+(as vLLM v1 does). While a request runs, the text that could start a stop string is held back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.outputs import CompletionOutput, RequestDelta, RequestOutput
+from engine.request import FinishReason, LogprobDict, Request
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+Finish = Callable[..., None]  # scheduler.finish(req, reason, stop_reason=..., error=...)
+
+
+@dataclass
+class _State:
+    detok: IncrementalDetokenizer | None
+    tokens: int = 0  # output tokens whose text is in req.text
+    logprobs: int = 0  # logprob entries whose tokens are decoded
+    prompt_logprobs: int = 0
+    sent_text: int = 0  # the delta cursor: what the request's consumer was given so far
+    sent_tokens: int = 0
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, finish: Finish) -> None:
+        self.tokenizer = tokenizer
+        self.finish = finish
+        self._states: dict[str, _State] = {}
+
+    def add(self, req: Request) -> None:
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
+                                           req.params.skip_special_tokens)
+        self._states[req.request_id] = _State(detok)
+
+    def remove(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def process(self, changed: list[Request]) -> None:
+        """Text for the new tokens of ``changed``; an error fails that request only."""
+        for req in changed:
+            st = self._states.get(req.request_id)
+            if st is None or req.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+                continue
+            try:
+                if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
+                    self._decode_logprobs(req, st)
+                self._text(req, st)
+            except Exception as e:
+                self.finish(req, FinishReason.ERROR,
+                            error=f"processing the output failed: {type(e).__name__}: {e}")
+
+    # -- text ------------------------------------------------------------------------------------
+    def _text(self, req: Request, st: _State) -> None:
+        if st.detok is None:
+            st.tokens = len(req.output_token_ids)
+            return
+        stops = req.params.stop_strs
+        while st.tokens < len(req.output_token_ids):
+            delta = st.detok.step(req.output_token_ids[st.tokens])
+            st.tokens += 1
+            req.text += delta
+            if stops and delta:
+                s = self._cut_at_stop_string(req, len(delta))
+                if s is not None:
+                    if req.is_finished:  # the same token also hit length / EOS: the string wins
+                        req.finish(FinishReason.STOP, stop_reason=s)
+                    else:
+                        self.finish(req, FinishReason.STOP, stop_reason=s)
+                    return
+        if req.is_finished:
+            req.text += st.detok.finish()
+            if stops:
+                self._cut_at_stop_string(req, len(req.text))
+
+    @staticmethod
+    def _cut_at_stop_string(req: Request, new_chars: int) -> str | None:
+        """Search the tail that could hold a stop string ending in the new text; cut the text
+        before it (or after it with include_stop_str_in_output). Returns the string found."""
+        text = req.text
+        for s in req.params.stop_strs:
+            start = max(0, len(text) - new_chars - len(s) + 1)
+            i = text.find(s, start)
+            if i >= 0:
+                req.text = text[:i + len(s) if req.params.include_stop_str_in_output else i]
+                return s
+        return None
+
+    def _decode_logprobs(self, req: Request, st: _State) -> None:
+        decode = self._decode_one
+        for d in req.logprobs[st.logprobs:]:
+            _fill(d, decode)
+        st.logprobs = len(req.logprobs)
+        for d in req.prompt_logprobs[st.prompt_logprobs:]:
+            if d is not None:
+                _fill(d, decode)
+        st.prompt_logprobs = len(req.prompt_logprobs)
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token], False)
+
+    # -- renderings ------------------------------------------------------------------------------
+    @staticmethod
+    def visible_text(req: Request) -> str:
+        """Text safe to show now: while running, hold back what could start a stop string."""
+        if req.is_finished or not req.params.stop_strs or req.params.include_stop_str_in_output:
+            return req.text
+        hold = max(len(s) for s in req.params.stop_strs) - 1
+        return req.text[:max(0, len(req.text) - hold)]
+
+    def delta(self, req: Request) -> RequestDelta:
+        """What the request's consumer has not been given yet (one cursor per request)."""
+        st = self._states[req.request_id]
+        text = self.visible_text(req)
+        toks = req.output_token_ids
+        new_text = text[st.sent_text:]
+        st.sent_text = max(st.sent_text, len(text))
+        new_toks = toks[st.sent_tokens:]
+        lps = req.logprobs[st.sent_tokens:] if req.params.logprobs is not None else None
+        st.sent_tokens = len(toks)
+        return RequestDelta(
+            new_text, new_toks, lps, req.is_finished,
+            req.finish_reason.value if req.finish_reason else None, req.stop_reason, req.error,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(toks),
+            num_cached_tokens=req.num_cached_tokens)
+
+    def output(self, req: Request) -> RequestOutput:
+        want_lp = req.params.logprobs is not None
+        comp = CompletionOutput(
+            index=0, text=self.visible_text(req), token_ids=list(req.output_token_ids),
+            cumulative_logprob=req.cumulative_logprob if want_lp else None,
+            logprobs=list(req.logprobs) if want_lp else None,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason, error=req.error)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt,
+            prompt_token_ids=list(req.prompt_token_ids),
+            prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None,
+            outputs=[comp], finished=req.is_finished, num_cached_tokens=req.num_cached_tokens,
+            metrics=dict(req.metrics))
+
+
+def _fill(d: LogprobDict, decode: Callable[[int], str | None]) -> None:
+    for t, lp in d.items():
+        if lp.decoded_token is None:
+            lp.decoded_token = decode(t)
