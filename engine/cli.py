@@ -17,7 +17,8 @@ from typing import NoReturn
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.commands.generate", "generate text with a model (default: SmolLM2-135M)"),
-    "check-kv": ("engine.kv.check", "property-based run of the block manager (Hypothesis)"),
+    "check-kv": ("engine.commands.check_kv",
+                 "property-based run of the block manager (Hypothesis)"),
     "serve": ("engine.server.cli", "OpenAI-compatible HTTP server"),
     "profile-graphs": ("engine.commands.profile_graphs",
                        "capture and profile the decode CUDA graphs"),

@@ -2,7 +2,8 @@
 
 ``BlockManager`` owns the page pool, the per-request page tables and the prefix cache.
 ``engine.kv.testing`` holds the Hypothesis strategies and state machine that prove its invariants
-(Hypothesis is imported there only); ``cuteinfer check-kv`` runs them (``engine.kv.check``).
+(Hypothesis is imported there only); ``cuteinfer check-kv`` runs them
+(``engine.commands.check_kv``).
 """
 
 from __future__ import annotations

@@ -11,21 +11,13 @@ import argparse
 import time
 import traceback
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from engine.commands.generate import positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--examples", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--examples", type=positive_int, default=None, metavar="N",
                         help="random workloads to run (default: the profile's; long: 2000)")
-    parser.add_argument("--steps", type=_positive_int, default=None, metavar="M",
+    parser.add_argument("--steps", type=positive_int, default=None, metavar="M",
                         help="maximum steps per workload (default: the profile's; long: 120)")
     parser.add_argument("--profile", choices=("ci", "long"), default="long",
                         help="Hypothesis profile to start from (default: long)")
