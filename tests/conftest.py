@@ -38,7 +38,7 @@ def golden_case(golden_root: Path):
         if name not in made:
             d = build_case(name, golden_root)
             assert weights_sha256(d) == index[name]["weights_sha256"], (
-                f"tools/make_checkpoint.py no longer reproduces the weights of golden {name}; "
+                f"engine/model/synthetic.py no longer reproduces the weights of golden {name}; "
                 "regenerate the goldens (python -m tools.make_goldens) in a torch environment")
             data = dict(np.load(GOLDENS / f"{name}.npz"))
             made[name] = (d, data)
