@@ -1,5 +1,9 @@
 """The long-lived request: token ids, how many are computed, sampled outputs, finish reason.
 
+``Request`` is the only owner of its token ids (``prompt_token_ids`` then ``output_token_ids``)
+and of its progress (``num_computed_tokens``). The block manager keeps no copy: the scheduler
+hands it ``token_ids``, a view that reads both lists in place (no concatenation per step).
+
 State machine::
 
     WAITING --schedule--> RUNNING --finish--> FINISHED (stop | length | abort | error)
@@ -10,9 +14,14 @@ State machine::
 from __future__ import annotations
 
 import enum
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
+from typing import overload
 
 from engine.sampling_params import SamplingParams
+from engine.step import pack_sampling_row
 
 
 class RequestStatus(enum.Enum):
@@ -67,6 +76,24 @@ class Request:
     text: str = ""  # output text (stop strings removed); the output processor writes it
     metrics: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.token_ids = TokenIds(self)
+
+    def __getstate__(self) -> dict[str, object]:  # copy / pickle: the copy gets its own view
+        state = self.__dict__.copy()
+        del state["token_ids"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self.token_ids = TokenIds(self)
+
+    @cached_property
+    def sampling_row(self) -> bytes:
+        """Sampling parameters and seed packed for the step builder (``engine.step``), once:
+        they do not change while the request runs."""
+        return pack_sampling_row(self.params, self.seed)
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
@@ -97,12 +124,13 @@ class Request:
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
 
-    @property
+    @cached_property
     def max_output_tokens(self) -> int:
-        """Output budget: max_tokens, capped by max_model_len."""
-        room = self.max_model_len - self.num_prompt_tokens
+        """Output budget: max_tokens, capped by max_model_len. Read at every sampled token, so
+        computed once: the prompt, max_model_len and params are fixed once the request exists."""
+        room = self.max_model_len - len(self.prompt_token_ids)
         mt = self.params.max_tokens
-        return room if mt is None else min(mt, room)
+        return room if mt is None or mt > room else mt
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None,
                error: str | None = None) -> None:
@@ -110,3 +138,52 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
+
+
+class TokenIds(Sequence[int]):
+    """``all_token_ids`` read in place: the request's prompt then output token ids, always
+    current (it reads the request's lists at each access; it holds the request weakly, so it
+    makes no reference cycle)."""
+
+    __slots__ = ("_req",)
+
+    def __init__(self, req: Request) -> None:
+        self._req = weakref.ref(req)
+
+    def _get(self) -> Request:
+        req = self._req()
+        if req is None:
+            raise ReferenceError("the request of these token ids is gone")
+        return req
+
+    def __len__(self) -> int:  # on the hot path (every commit): _get inlined
+        req = self._req()
+        if req is None:
+            raise ReferenceError("the request of these token ids is gone")
+        return len(req.prompt_token_ids) + len(req.output_token_ids)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        req = self._get()
+        p = len(req.prompt_token_ids)
+        n = p + len(req.output_token_ids)
+        if isinstance(i, slice):
+            start, stop, step = i.indices(n)
+            if step != 1:
+                return req.all_token_ids[i]
+            return req.token_slice(start, max(0, stop - start))
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError("token index out of range")
+        return req.prompt_token_ids[i] if i < p else req.output_token_ids[i - p]
+
+    def __iter__(self) -> Iterator[int]:
+        req = self._get()
+        yield from req.prompt_token_ids
+        yield from req.output_token_ids

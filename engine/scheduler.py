@@ -16,14 +16,22 @@ A step is three calls (``LLMEngine.step``)::
 ``update_from_output`` commits the step's KV, appends the sampled tokens (and logprobs) to their
 requests and finishes them on EOS, a stop token or length. A step that failed is handed back with
 ``fail_step`` instead: only its requests (or only the failed rows) finish with an error. The
-scheduler owns the block manager: nothing else calls it.
+scheduler owns the block manager: nothing else calls it. The manager keeps pages, hashes and
+refcounts only; each ``Request`` owns its token ids and ``num_computed_tokens``, and the
+scheduler passes them to the calls that need them (``commit``, ``rollback``).
+
+The decode path is per-request Python run 64-256 times a step, so it is kept lean: no per-token
+numpy scalars, one clock read per step, no page work for a token that stays inside its last
+page (``BlockManager.append_slots`` / ``commit``), sampling rows and page tables stored packed
+for ``build_batch`` (``python -m tools.bench_host`` measures it).
 """
 
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv import BlockManager, OutOfPagesError, PageRefOverflowError
@@ -38,8 +46,8 @@ class ScheduledRequest:  # one per request per step: a plain record (frozen cost
     num_new: int
     slots: list[int]
     sample: bool  # this step computes the last known token: sample the next one
+    page_table: array[int]  # the block manager's table itself (int32), read by build_batch
     prompt_logprob_positions: tuple[int, ...] = ()
-    page_table: list[int] = field(default_factory=list)  # the block manager's table, by ref.
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +62,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new for s in self.seqs)
+        return sum([s.num_new for s in self.seqs])
 
 
 class Scheduler:
@@ -129,33 +137,32 @@ class Scheduler:
             else budget
         seqs: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        bm = self.bm
+        append_slots, table = bm.append_slots, bm.page_table_view
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            start = req.num_computed_tokens
-            remaining = req.num_tokens - start
-            n = min(remaining, budget, cap)
-            tokens = req.token_slice(start, n)
-            while True:
-                try:
-                    slots = self.bm.append_slots(req.request_id, n, tokens)
-                    break
-                except OutOfPagesError:
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is req:
-                        slots = None
-                        break
-            if slots is None:
+        # Running requests first: a decode token each, or the next chunk. Preemption only ever
+        # removes the list's tail (it ends the loop there), so iterating the list itself is safe.
+        for req in self.running:
+            if budget <= 0:
                 break
+            rid, start = req.request_id, req.num_computed_tokens
+            total = len(req.prompt_token_ids) + len(req.output_token_ids)
+            n = total - start  # min(total - start, budget, cap), without the call
+            if n > budget:
+                n = budget
+            if n > cap:
+                n = cap
+            try:
+                slots = append_slots(rid, n)
+            except OutOfPagesError:
+                slots = self._preempt_until_fits(req, n, preempted)
+                if slots is None:
+                    break
             seqs.append(ScheduledRequest(
-                req, start, n, slots, sample=start + n == req.num_tokens,
-                prompt_logprob_positions=self._prompt_logprob_positions(req, start, n),
-                page_table=self.bm.page_table_view(req.request_id)))
+                req, start, n, slots, start + n == total, table(rid),
+                () if req.params.prompt_logprobs is None else
+                self._prompt_logprob_positions(req, start, n)))
             budget -= n
-            i += 1
 
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting[0]
@@ -163,31 +170,49 @@ class Scheduler:
             use_cache = cfg.prompt_logprobs_prefix_cache or not (
                 req.wants_prompt_logprobs and len(req.prompt_logprobs) < req.num_prompt_tokens)
             salt = req.salt if use_cache else f"\0nocache:{req.request_id}"
-            cached = self.bm.num_cached_prefix_tokens(tokens, salt) if use_cache else 0
+            # what create() will take; under the private salt that is only the request's own
+            # pages from before a preemption (their prompt logprobs exist already)
+            cached = bm.num_cached_prefix_tokens(tokens, salt)
             remaining = len(tokens) - cached
             n = min(remaining, budget, cap)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break
-            need = self.bm.pages_needed_for_new(tokens, salt, num_new_tokens=n)
-            if not self.bm.can_allocate(need):
+            need = bm.pages_needed_for_new(tokens, salt, num_new_tokens=n)
+            if not bm.can_allocate(need):
                 break
             self.waiting.popleft()
-            cached = self.bm.create(req.request_id, tokens, salt)
+            cached = bm.create(req.request_id, tokens, salt)
             # admission checked can_allocate for exactly this: it cannot fail
-            slots = self.bm.append_slots(req.request_id, n, tokens[cached:cached + n])
+            slots = bm.append_slots(req.request_id, n)
             req.num_computed_tokens = cached
             req.num_cached_tokens = cached
-            if req.wants_prompt_logprobs and len(req.prompt_logprobs) < cached + 1:
+            have = min(cached + 1, req.num_prompt_tokens)  # (the cache may hold outputs too)
+            if req.wants_prompt_logprobs and len(req.prompt_logprobs) < have:
                 # logits of cached positions were never computed: their entries stay None
-                req.prompt_logprobs += [None] * (cached + 1 - len(req.prompt_logprobs))
+                req.prompt_logprobs += [None] * (have - len(req.prompt_logprobs))
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             seqs.append(ScheduledRequest(
                 req, cached, n, slots, sample=cached + n == len(tokens),
-                prompt_logprob_positions=self._prompt_logprob_positions(req, cached, n),
-                page_table=self.bm.page_table_view(req.request_id)))
+                page_table=table(req.request_id),
+                prompt_logprob_positions=self._prompt_logprob_positions(req, cached, n)))
             budget -= n
         return seqs, preempted
+
+    def _preempt_until_fits(self, req: Request, n: int,
+                            preempted: list[Request]) -> list[int] | None:
+        """``req``'s next n slots did not fit: preempt the most recently admitted running
+        requests until they do. None when ``req`` itself had to go."""
+        while True:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return None
+            try:
+                return self.bm.append_slots(req.request_id, n)
+            except OutOfPagesError:
+                pass
 
     # -- after the step --------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, step: StepOutput) -> list[Request]:
@@ -195,47 +220,54 @@ class Scheduler:
         EOS / stop token / length. Returns the requests that changed (sampled or finished). An
         error while one request's output is processed fails that request only."""
         changed: list[Request] = []
+        commit = self.bm.commit
+        sampled = step.sampled.tolist()  # plain ints, once (not a numpy scalar per row)
+        prompt_lps, lps = step.prompt_logprobs, step.logprobs
+        now = time.perf_counter()  # the step's tokens all arrived now
         row = pl_row = 0
         for s in out.seqs:
             req = s.request
-            req.num_computed_tokens = s.start + s.num_new
-            self.bm.commit(req.request_id, req.num_computed_tokens)
-            n_pl = len(s.prompt_logprob_positions) if step.prompt_logprobs is not None else 0
+            start = s.start
+            req.num_computed_tokens = end = start + s.num_new
+            commit(req.request_id, start, end, req.token_ids)
+            n_pl = 0 if prompt_lps is None else len(s.prompt_logprob_positions)
+            if not (s.sample or n_pl):  # a prefill chunk: nothing to append
+                continue
             try:
-                for i, p in enumerate(s.prompt_logprob_positions[:n_pl]):
-                    req.prompt_logprobs.append(logprob_dict(
-                        step.prompt_logprobs, pl_row + i, req.prompt_token_ids[p + 1],
-                        req.params.prompt_logprobs or 0))
-                if s.sample:
-                    tok = int(step.sampled[row])
+                if n_pl:
+                    for i, p in enumerate(s.prompt_logprob_positions[:n_pl]):
+                        req.prompt_logprobs.append(logprob_dict(
+                            prompt_lps, pl_row + i, req.prompt_token_ids[p + 1],
+                            req.params.prompt_logprobs or 0))
+                if s.sample:  # append the token; finish on a stop token, EOS or length
+                    tok = sampled[row]
+                    params = req.params
                     lp = None
-                    if req.params.logprobs is not None and step.logprobs is not None:
-                        lp = logprob_dict(step.logprobs, row, tok, req.params.logprobs)
-                    self._append_token(req, tok, lp)
+                    if params.logprobs is not None and lps is not None:
+                        lp = logprob_dict(lps, row, tok, params.logprobs)
+                    out_ids = req.output_token_ids
+                    out_ids.append(tok)
+                    metrics = req.metrics
+                    if "first_token" not in metrics:
+                        metrics["first_token"] = now
+                    metrics["last_token"] = now
+                    if lp is not None:
+                        req.logprobs.append(lp)
+                        req.cumulative_logprob += lp[tok].logprob
+                    if tok in params.stop_token_ids:
+                        self.finish(req, FinishReason.STOP, stop_reason=tok)
+                    elif not params.ignore_eos and tok in req.eos_token_ids:
+                        self.finish(req, FinishReason.STOP)
+                    elif len(out_ids) >= req.max_output_tokens:
+                        self.finish(req, FinishReason.LENGTH)
                     changed.append(req)
             except Exception as e:  # this request's output could not be processed: fail it alone
                 self.finish(req, FinishReason.ERROR,
                             error=f"processing the output failed: {type(e).__name__}: {e}")
                 changed.append(req)
             pl_row += n_pl
-            row += int(s.sample)
+            row += s.sample
         return changed
-
-    def _append_token(self, req: Request, tok: int, lp: LogprobDict | None) -> None:
-        params = req.params
-        req.output_token_ids.append(tok)
-        now = time.perf_counter()
-        req.metrics.setdefault("first_token", now)
-        req.metrics["last_token"] = now
-        if lp is not None:
-            req.logprobs.append(lp)
-            req.cumulative_logprob += lp[tok].logprob
-        if tok in params.stop_token_ids:
-            self.finish(req, FinishReason.STOP, stop_reason=tok)
-        elif not params.ignore_eos and tok in req.eos_token_ids:
-            self.finish(req, FinishReason.STOP)
-        elif len(req.output_token_ids) >= req.max_output_tokens:
-            self.finish(req, FinishReason.LENGTH)
 
     def fail_step(self, out: SchedulerOutput, rows: set[int] | None,
                   error: str) -> list[Request]:
@@ -245,7 +277,7 @@ class Scheduler:
         failed_ids = {r.request_id for r in failed}
         for s in out.seqs:
             if s.request.request_id not in failed_ids and s.request.status == RequestStatus.RUNNING:
-                self.bm.rollback(s.request.request_id, s.num_new)
+                self.bm.rollback(s.request.request_id, s.num_new, s.start)
         for req in failed:
             self.finish(req, FinishReason.ERROR, error=error)
         return failed

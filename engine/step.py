@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from array import array
+
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
     from engine.scheduler import SchedulerOutput
 
 
@@ -83,58 +87,100 @@ class StepOutput:
     graph: bool = False  # the forward replayed a captured CUDA graph
 
 
+# One row per request, packed once (``Request.sampling_row``): a request's sampling parameters
+# and seed are fixed from admission on, so a step joins bytes instead of converting six Python
+# numbers per sampled row (numpy converts a Python number in ~40 ns on the dev box).
+SAMPLING_ROW = np.dtype([("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32),
+                         ("min_p", np.float32), ("num_logprobs", np.int32), ("seed", np.uint64)])
+
+
+def pack_sampling_row(params: SamplingParams, seed: int) -> bytes:
+    """``params`` and ``seed`` as one ``SAMPLING_ROW`` (numpy's casts, as the arrays had)."""
+    num_logprobs = -1 if params.logprobs is None else params.logprobs
+    return np.array((params.temperature, params.top_k, params.top_p, params.min_p, num_logprobs,
+                     seed), SAMPLING_ROW).tobytes()
+
+
 def build_batch(out: SchedulerOutput) -> StepBatch:
-    """Flatten a step's scheduled requests into the executor's arrays (a pure function)."""
+    """Flatten a step's scheduled requests into the executor's arrays (a pure function).
+
+    One Python pass gathers what is per sequence (a plain loop: in CPython 3.11 it beats
+    ``map(attrgetter)`` 2x on slotted records); numpy does the rest. Page tables and sampling
+    rows are stored packed and joined as bytes, so no page id or sampling parameter is
+    converted per step. A decode step (one token per sequence) needs no cumulative sums.
+    """
     seqs = out.seqs
     b = len(seqs)
     ids: list[int] = []
-    pos: list[int] = []
+    starts: list[int] = []
     slots: list[int] = []
-    cu = [0]
-    ctx = []
-    tables = []
-    sample_reqs = []
+    tables: list[array[int]] = []
+    sample_reqs: list[Request] = []
     sample_idx: list[int] = []
     pl_idx: list[int] = []
     pl_tgt: list[int] = []
     pl_n = 0
+    t = 0  # tokens so far
+    decode = True  # every sequence adds exactly one token
     for s in seqs:
-        req = s.request
-        base = cu[-1]
-        ids += req.token_slice(s.start, s.num_new)
-        pos += range(s.start, s.start + s.num_new)
-        slots += s.slots
-        cu.append(base + s.num_new)
-        ctx.append(s.start + s.num_new)
+        req, start, n = s.request, s.start, s.num_new
+        if n == 1:  # index the one token: no slice, no list
+            prompt = req.prompt_token_ids
+            ids.append(prompt[start] if start < len(prompt)
+                       else req.output_token_ids[start - len(prompt)])
+            slots.append(s.slots[0])
+        else:
+            decode = False
+            ids += req.token_slice(start, n)
+            slots += s.slots
+        starts.append(start)
         tables.append(s.page_table)
         if s.sample:
-            sample_idx.append(base + s.num_new - 1)
+            sample_idx.append(t + n - 1)
             sample_reqs.append(req)
-        for p in s.prompt_logprob_positions:
-            pl_idx.append(base + p - s.start)
-            pl_tgt.append(req.prompt_token_ids[p + 1])
+        if s.prompt_logprob_positions:
+            for p in s.prompt_logprob_positions:
+                pl_idx.append(t + p - start)
+                pl_tgt.append(req.prompt_token_ids[p + 1])
             pl_n = max(pl_n, req.params.prompt_logprobs or 0)
-    width = max(max((len(t) for t in tables), default=1), 1)
-    page_indices = np.array([t + [0] * (width - len(t)) if len(t) < width else t
-                             for t in tables], np.int32).reshape(b, width)
-    sp = [r.params for r in sample_reqs]
+        t += n
+    start_arr = np.array(starts, np.int32)
+    if decode:
+        cu = np.arange(b + 1, dtype=np.int32)
+        positions = start_arr
+        ctx = start_arr + 1
+    else:
+        num_new = np.array([s.num_new for s in seqs], np.int32)
+        cu = np.zeros(b + 1, np.int32)
+        np.cumsum(num_new, out=cu[1:])
+        ctx = start_arr + num_new
+        # token j of sequence i sits at position start_i + (j - cu_i)
+        positions = np.repeat(start_arr - cu[:-1], num_new) + np.arange(t, dtype=np.int32)
+    lens = [len(x) for x in tables]
+    width = max(max(lens, default=1), 1)
+    flat = np.frombuffer(b"".join(tables), np.int32)  # int32 tables (engine.kv PAGE_TYPECODE)
+    if flat.size == b * width:  # no row to pad
+        page_indices = flat.reshape(b, width).copy()
+    else:
+        page_indices = np.zeros((b, width), np.int32)
+        page_indices[np.arange(width) < np.array(lens)[:, None]] = flat
+    rows = np.frombuffer(b"".join([r.sampling_row for r in sample_reqs]), SAMPLING_ROW)
     return StepBatch(
-        input_ids=np.asarray(ids, np.int32),
-        positions=np.asarray(pos, np.int32),
-        slot_mapping=np.asarray(slots, np.int64),
-        cu_seqlens_q=np.asarray(cu, np.int32),
-        context_lens=np.asarray(ctx, np.int32),
+        input_ids=np.array(ids, np.int32),
+        positions=positions,
+        slot_mapping=np.array(slots, np.int64),
+        cu_seqlens_q=cu,
+        context_lens=ctx,
         page_indices=page_indices,
-        sample_token_idx=np.asarray(sample_idx, np.int32),
-        temperature=np.asarray([p.temperature for p in sp], np.float32),
-        top_k=np.asarray([p.top_k for p in sp], np.int32),
-        top_p=np.asarray([p.top_p for p in sp], np.float32),
-        min_p=np.asarray([p.min_p for p in sp], np.float32),
-        seeds=np.asarray([r.seed for r in sample_reqs], np.uint64),
-        sample_steps=np.asarray([len(r.output_token_ids) for r in sample_reqs], np.uint32),
-        num_logprobs=np.asarray([-1 if p.logprobs is None else p.logprobs for p in sp],
-                                np.int32),
-        prompt_logprob_idx=np.asarray(pl_idx, np.int32),
-        prompt_logprob_targets=np.asarray(pl_tgt, np.int32),
+        sample_token_idx=np.array(sample_idx, np.int32),
+        temperature=rows["temperature"].copy(),  # each field contiguous, as before
+        top_k=rows["top_k"].copy(),
+        top_p=rows["top_p"].copy(),
+        min_p=rows["min_p"].copy(),
+        seeds=rows["seed"].copy(),
+        sample_steps=np.array([len(r.output_token_ids) for r in sample_reqs], np.uint32),
+        num_logprobs=rows["num_logprobs"].copy(),
+        prompt_logprob_idx=np.array(pl_idx, np.int32),
+        prompt_logprob_targets=np.array(pl_tgt, np.int32),
         prompt_num_logprobs=pl_n,
     )

@@ -29,7 +29,7 @@ def _run(bm: BlockManager, rid: object, tokens: list[int], salt: str | None = No
     """create + prefill the whole prompt + commit; returns num_cached_tokens."""
     cached = bm.create(rid, tokens, salt)
     bm.append_slots(rid, len(tokens) - cached)
-    bm.commit(rid, len(tokens), tokens)
+    bm.commit(rid, cached, len(tokens), tokens)
     check_invariants(bm)
     return cached
 
@@ -116,17 +116,17 @@ def test_misuse_raises_and_changes_nothing() -> None:
     bm.append_slots("c", 3)
     before = bm.snapshot()
     for call in (lambda: bm.create("a", [1]), lambda: bm.create("z", []),
-                 lambda: bm.rollback("a", 1), lambda: bm.commit("a", 7, [1] * 7),
-                 lambda: bm.commit("a", 5, [1] * 6), lambda: bm.append_slots("a", -1),
-                 lambda: bm.append_slots("a", 2, [1]), lambda: bm.commit("c", 3, [9, 9, 9]),
-                 lambda: bm.commit("c", 3, [1, 2]), lambda: bm.page_table("nope")):
+                 lambda: bm.rollback("a", 1, 6), lambda: bm.commit("a", 6, 7, [1] * 7),
+                 lambda: bm.commit("a", 6, 5, [1] * 6), lambda: bm.append_slots("a", -1),
+                 lambda: bm.rollback("a", 0, 7), lambda: bm.commit("a", 2, 6, [1] * 6),
+                 lambda: bm.commit("c", 0, 3, [1, 2]), lambda: bm.page_table("nope")):
         with pytest.raises(KVUsageError):
             call()
         assert bm.snapshot() == before
     bm.release("a")
     after_release = bm.snapshot()
     for call in (lambda: bm.release("a"), lambda: bm.append_slots("a", 1),
-                 lambda: bm.commit("a", 1, [1])):
+                 lambda: bm.commit("a", 0, 1, [1])):
         with pytest.raises(KVUsageError, match="unknown or already released"):
             call()
     assert bm.snapshot() == after_release
@@ -137,16 +137,17 @@ def test_speculative_append_commit_rollback() -> None:
     bm = BlockManager(9, PS, enable_prefix_caching=False)
     bm.create("a", [5, 6, 7])
     bm.append_slots("a", 3)
-    bm.commit("a", 3, [5, 6, 7])
-    slots = bm.append_slots("a", 1 + 5, [8, 1, 2, 3, 4, 5])  # last token + 5 drafts
+    bm.commit("a", 0, 3, [5, 6, 7])
+    slots = bm.append_slots("a", 1 + 5)  # last token + 5 drafts: [8, 1, 2, 3, 4, 5]
     assert len(bm.page_table("a")) == 3 and len(slots) == 6
-    bm.commit("a", 3 + 1 + 2)  # token ids known from append_slots
-    bm.rollback("a", 3)
-    assert bm.num_tokens("a") == bm.num_computed_tokens("a") == 6
+    tokens = [5, 6, 7, 8, 1, 2]  # the caller's tokens: 2 drafts accepted
+    bm.commit("a", 3, 3 + 1 + 2, tokens)
+    bm.rollback("a", 3, 6)
+    assert bm.num_tokens("a") == 6 and bm.num_computed_pages("a") == 6 // PS
     assert len(bm.page_table("a")) == 2 and bm.num_free == 6
     bm.append_slots("a", 1)
     with pytest.raises(KVUsageError, match="unknown"):
-        bm.commit("a", 7)  # position 6's token is not known (any more)
+        bm.commit("a", 6, 7, tokens)  # position 6's token is not known (any more)
 
 
 def _duplicate(policy: str, caching_at_release: bool) -> BlockManager:
@@ -156,8 +157,8 @@ def _duplicate(policy: str, caching_at_release: bool) -> BlockManager:
     for rid in ("a", "b"):
         assert bm.create(rid, prompt) == 0
         bm.append_slots(rid, 5)
-    bm.commit("a", 5, prompt)
-    bm.commit("b", 5, prompt)
+    bm.commit("a", 0, 5, prompt)
+    bm.commit("b", 0, 5, prompt)
     bm.set_prefix_caching(caching_at_release)
     return bm
 

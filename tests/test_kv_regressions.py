@@ -42,16 +42,16 @@ def serve_sequential_cache_off(cls: type[BlockManager]) -> None:
         while computed < len(prompt):  # chunked prefill
             n = min(512, len(prompt) - computed)
             _append_admitted(bm, r, n)
+            bm.commit(r, computed, computed + n, tokens)
             computed += n
-            bm.commit(r, computed, tokens)
         tokens.append(1)  # first sampled token
         step = 0
         while len(tokens) - len(prompt) < 512:
             drafts = [200_000 + step * 17 + j for j in range(16)]
             _append_admitted(bm, r, 17)  # verify: last token + 16 drafts
             accepted = min((7 * step) % 17, 512 - (len(tokens) - len(prompt)) - 1)
-            bm.commit(r, computed + 1 + accepted, tokens + drafts[:accepted])
-            bm.rollback(r, 16 - accepted)
+            bm.commit(r, computed, computed + 1 + accepted, tokens + drafts[:accepted])
+            bm.rollback(r, 16 - accepted, computed + 1 + accepted)
             computed += 1 + accepted
             tokens += drafts[:accepted] + [2]  # accepted drafts + the bonus token
             step += 1
@@ -83,7 +83,7 @@ def serve_256_sharing_one_cached_prefix(cls: type[BlockManager]) -> int:
     warm = prefix + [1]  # one more token: the last prompt token is always computed
     bm.create("warm", warm)
     _append_admitted(bm, "warm", len(warm))
-    bm.commit("warm", len(warm), warm)
+    bm.commit("warm", 0, len(warm), warm)
     bm.release("warm")
     assert bm.num_inactive == 250
     ids = list(range(max_batch))
@@ -93,7 +93,7 @@ def serve_256_sharing_one_cached_prefix(cls: type[BlockManager]) -> int:
         assert bm.can_allocate(bm.pages_needed_for_new(prompt))
         assert bm.create(i, prompt) == 4_000
         _append_admitted(bm, i, 20)
-        bm.commit(i, len(prompt), prompt)
+        bm.commit(i, 4_000, len(prompt), prompt)
     for i in ids:  # one decode step for the whole batch
         _append_admitted(bm, i, 1)
     assert bm.refcount(bm.page_table(0)[0]) == max_batch

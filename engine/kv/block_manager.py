@@ -3,6 +3,11 @@
 Pages and their states are ``engine.kv.pool``'s; hashing is ``engine.kv.prefix_cache``'s. Here:
 the API the scheduler calls, the request tables, and the duplicate policy.
 
+The manager keeps pages, hashes and refcounts, never a request's tokens or progress: the caller
+(the scheduler, whose ``Request`` owns both) passes the token ids and the computed count to the
+calls that need them. Per request it keeps the page table, how many of its slots are handed out
+(``num_slots``: the table's fill), the salt and the chained hash of each full computed page.
+
 Duplicates: a request completes a page whose prefix is already registered on another page, the
 primary. ``allow`` keeps both; the duplicate stays unregistered and pins the primary, so that the
 chain the request keeps registering under (it continues from the primary's entry) stays reachable
@@ -14,6 +19,7 @@ page to the free list ("reset on release").
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +36,17 @@ _STATS = ("prefix_queries", "prefix_hit_requests", "prefix_hit_pages", "pages_al
           "rollback_pages", "releases", "inactive_drained", "out_of_pages")
 
 
+# A page table is an array of C ints, not a list: the step builder joins the tables of a batch
+# as bytes (one C call) instead of converting every page id of every table at every step.
+PAGE_TYPECODE = "i"
+if array(PAGE_TYPECODE).itemsize != 4:  # C int is 32 bits on every platform CPython runs on
+    raise ImportError(f"array typecode {PAGE_TYPECODE!r} is not 32 bits here")
+
+
+def _new_table() -> array[int]:
+    return array(PAGE_TYPECODE)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -43,14 +60,11 @@ def max_page_refs(max_batch: int, max_model_len: int, page_size: int) -> int:
 
 @dataclass(eq=False, slots=True)
 class _Seq:
-    token_ids: list[int]  # known input tokens by position: the prompt, then appended/committed
-    prompt_len: int
-    salt: str | None
-    num_cached: int  # prefix tokens taken from the cache at create
-    pages: list[int] = field(default_factory=list)
-    num_slots: int = 0  # positions with a slot (committed + in flight)
-    num_committed: int = 0  # positions whose KV is real
-    hashes: list[bytes] = field(default_factory=list)  # chained hash of each full committed page
+    salt: str | None  # the prefix-cache namespace its pages are hashed under
+    pages: array[int] = field(default_factory=_new_table)  # the page table (int32)
+    num_slots: int = 0  # positions with a slot (computed + in flight)
+    # chained hash of each full computed page: len(hashes) == num_computed_tokens // page_size
+    hashes: list[bytes] = field(default_factory=list)
     chain: list[CachedPage | None] = field(default_factory=list)  # its entry (None: unregistered)
 
 
@@ -64,7 +78,8 @@ class KVSnapshot:
     pins: tuple[tuple[int, int], ...]  # (primary, number of duplicates pinning it)
     duplicates: tuple[tuple[int, int], ...]  # (duplicate page, its primary)
     registered: tuple[int, ...]
-    tables: tuple[tuple[Hashable, tuple[int, ...], int, int], ...]  # rid, pages, slots, committed
+    # rid, pages, slots, full computed pages (hashed: registered when the cache is on)
+    tables: tuple[tuple[Hashable, tuple[int, ...], int, int], ...]
     prefix_caching: bool
 
 
@@ -77,9 +92,15 @@ class BlockManager:
         admit:    n = pages_needed_for_new(prompt, salt, num_new_tokens=chunk)
                   if can_allocate(n): create(rid, prompt, salt); slots = append_slots(rid, chunk)
         running:  if can_allocate(pages_needed(rid, k)): slots = append_slots(rid, k)
-        after:    commit(rid, num_computed, token_ids); rollback(rid, rejected_drafts)
-        failed:   rollback(rid, k)
+        after:    commit(rid, start, num_computed, token_ids)
+                  rollback(rid, rejected_drafts, num_computed)
+        failed:   rollback(rid, k, num_computed)
         done:     release(rid)  (finish, abort or preempt)
+
+    ``token_ids`` is the request's whole token sequence (any ``Sequence[int]``: a list, or the
+    ``Request``'s own view of it); ``start`` / ``num_computed`` are the request's computed count
+    before / after the step. The manager checks them against what it holds (slots, hashed pages)
+    and raises ``KVUsageError`` on a contradiction, changing nothing.
     """
 
     PADDING_PAGE: ClassVar[int] = 0
@@ -185,16 +206,17 @@ class BlockManager:
     # -- per request -------------------------------------------------------------------------
     def create(self, request_id: Hashable, token_ids: Sequence[int],
                salt: str | None = None) -> int:
-        """Register a request with its prompt; take the longest cached prefix by reference.
-        Returns num_cached_tokens (a multiple of page_size, <= len(prompt) - 1). Allocates no new
-        page, but revives matched inactive pages (see ``pages_needed_for_new``)."""
+        """Register a request; take the longest cached prefix of its tokens by reference (the
+        tokens are matched, not kept). Returns num_cached_tokens (a multiple of page_size,
+        <= len(token_ids) - 1). Allocates no new page, but revives matched inactive pages (see
+        ``pages_needed_for_new``)."""
         if request_id in self._seqs:
             raise KVUsageError(f"request {request_id!r} already exists; release it first")
         if len(token_ids) == 0:
             raise KVUsageError(f"request {request_id!r}: empty prompt")
         matched = self._match(token_ids, salt)
         n = len(matched) * self.page_size
-        seq = _Seq(list(token_ids), len(token_ids), salt, n, num_slots=n, num_committed=n)
+        seq = _Seq(salt, num_slots=n)
         for entry in matched:
             self._pool.take(entry.page)
             seq.pages.append(entry.page)
@@ -213,19 +235,21 @@ class BlockManager:
             raise KVUsageError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         return max(0, _cdiv(seq.num_slots + num_new_tokens, self.page_size) - len(seq.pages))
 
-    def append_slots(self, request_id: Hashable, num_tokens: int,
-                     token_ids: Sequence[int] | None = None) -> list[int]:
+    def append_slots(self, request_id: Hashable, num_tokens: int) -> list[int]:
         """Slots (page * page_size + offset) for the next num_tokens positions: a prefill chunk,
-        a decode token, or a speculative span (later ``commit``/``rollback``). ``token_ids``, if
-        given, are those positions' input tokens (then ``commit`` may omit them). Raises
+        a decode token, or a speculative span (later ``commit``/``rollback``). Raises
         OutOfPagesError, changing nothing, when the new pages exceed ``free + inactive``."""
+        ps = self.page_size
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            start = seq.num_slots
+            off = start % ps
+            if off and 0 < num_tokens <= ps - off:  # fits the last page: no page work (decode)
+                seq.num_slots = start + num_tokens
+                base = seq.pages[-1] * ps + off
+                return [base] if num_tokens == 1 else list(range(base, base + num_tokens))
         need = self.pages_needed(request_id, num_tokens)
         seq = self._seqs[request_id]
-        start = seq.num_slots
-        if token_ids is not None:
-            if len(token_ids) != num_tokens:
-                raise KVUsageError(f"{len(token_ids)} token_ids for {num_tokens} slots")
-            self._check_tokens(seq, start, token_ids)
         if not self.can_allocate(need):
             self._stats["out_of_pages"] += 1
             raise OutOfPagesError(f"request {request_id!r} needs {need} new pages for "
@@ -233,54 +257,53 @@ class BlockManager:
                                   f"{self.num_inactive} reclaimable")
         for _ in range(need):
             seq.pages.append(self._pool.allocate())
-        if token_ids is not None:
-            self._record_tokens(seq, start, token_ids)
+        start = seq.num_slots
         seq.num_slots += num_tokens
-        ps, pages = self.page_size, seq.pages
+        pages = seq.pages
         return [pages[p // ps] * ps + p % ps for p in range(start, start + num_tokens)]
 
-    def commit(self, request_id: Hashable, num_computed_tokens: int,
-               token_ids: Sequence[int] | None = None) -> None:
-        """The KV of positions [0, num_computed_tokens) is now real. Registers each newly full
-        page in the prefix cache (cache on), applying the duplicate policy; under ``reject`` the
-        table may then list the primary instead: re-read ``page_table`` after committing."""
-        seq = self._get(request_id)
-        n, lo = num_computed_tokens, seq.num_committed
-        if not lo <= n <= seq.num_slots:
-            raise KVUsageError(f"request {request_id!r}: commit({n}) outside "
-                               f"[{lo}, {seq.num_slots}] (committed, slots)")
-        if token_ids is not None:
-            if len(token_ids) < n:
-                raise KVUsageError(f"commit({n}) with only {len(token_ids)} token_ids")
-            self._check_tokens(seq, lo, token_ids[lo:n])
-            self._record_tokens(seq, lo, token_ids[lo:n])
-        elif len(seq.token_ids) < n:
-            raise KVUsageError(f"request {request_id!r}: tokens of positions "
-                               f"[{len(seq.token_ids)}, {n}) unknown; pass token_ids")
-        tokens = seq.token_ids
-        seq.num_committed = n
-        ps = self.page_size
-        for i in range(len(seq.hashes), n // ps):
-            page_tokens = tuple(tokens[i * ps:(i + 1) * ps])
+    def commit(self, request_id: Hashable, start: int, num_computed_tokens: int,
+               token_ids: Sequence[int]) -> None:
+        """The KV of positions [start, num_computed_tokens) is now real (``start``: the computed
+        count before). Registers each newly full page in the prefix cache (cache on), hashing
+        its tokens from ``token_ids`` (the request's tokens, at least [0, num_computed_tokens);
+        only the pages completed here are read), applying the duplicate policy; under
+        ``reject`` the table may then list the primary instead: re-read ``page_table``."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise KVUsageError(f"request {request_id!r} is unknown or already released")
+        n, ps, done = num_computed_tokens, self.page_size, len(seq.hashes)
+        if not done * ps <= start <= n <= seq.num_slots:
+            raise KVUsageError(f"request {request_id!r}: commit [{start}, {n}) outside "
+                               f"[{done * ps}, {seq.num_slots}] (full computed pages, slots)")
+        if len(token_ids) < n:
+            raise KVUsageError(f"request {request_id!r}: commit({n}) with {len(token_ids)} "
+                               f"token_ids: the tokens of positions [{len(token_ids)}, {n}) "
+                               f"are unknown")
+        if n // ps == done:  # no page completed (most decode steps): nothing to hash
+            return
+        for i in range(done, n // ps):
+            page_tokens = tuple(token_ids[i * ps:(i + 1) * ps])
             parent = seq.chain[i - 1] if i else None
             h = self._cache.hash_fn(seq.hashes[i - 1] if i else ROOT_HASH, page_tokens, seq.salt)
             seq.hashes.append(h)
             seq.chain.append(self._register(seq, i, parent, page_tokens, h))
 
-    def rollback(self, request_id: Hashable, num_tokens: int) -> None:
-        """Drop the last num_tokens uncommitted slots (rejected speculation, failed step); pages
-        left empty return to the free list (they were never registered or shared)."""
+    def rollback(self, request_id: Hashable, num_tokens: int, num_computed_tokens: int) -> None:
+        """Drop the last num_tokens slots (rejected speculation, failed step); they must all lie
+        past ``num_computed_tokens`` (the request's computed count). Pages left empty return to
+        the free list (they were never registered or shared)."""
         seq = self._get(request_id)
-        if not 0 <= num_tokens <= seq.num_slots - seq.num_committed:
+        lo = max(num_computed_tokens, len(seq.hashes) * self.page_size)
+        if not 0 <= num_tokens <= seq.num_slots - lo:
             raise KVUsageError(f"request {request_id!r}: rollback({num_tokens}) but only "
-                               f"{seq.num_slots - seq.num_committed} slots are uncommitted")
+                               f"{seq.num_slots - lo} slots are past the computed tokens")
         seq.num_slots -= num_tokens
         keep = _cdiv(seq.num_slots, self.page_size)
         self._stats["rollback_tokens"] += num_tokens
         self._stats["rollback_pages"] += len(seq.pages) - keep
         while len(seq.pages) > keep:
             self._pool.decref(seq.pages.pop())
-        del seq.token_ids[max(seq.prompt_len, seq.num_slots):]
 
     def release(self, request_id: Hashable) -> None:
         """Finish or preempt. Tail pages are released first so the LRU evicts leaves first."""
@@ -294,18 +317,20 @@ class BlockManager:
     def page_table(self, request_id: Hashable) -> list[int]:
         return list(self._get(request_id).pages)
 
-    def page_table_view(self, request_id: Hashable) -> list[int]:
-        """The table itself, not a copy (the step builder reads it at once): never mutate it."""
-        return self._get(request_id).pages
+    def page_table_view(self, request_id: Hashable) -> array[int]:
+        """The table itself (int32, ``PAGE_TYPECODE``), not a copy: the step builder reads it at
+        once. Never mutate it."""
+        try:  # once per request per step: no _get call
+            return self._seqs[request_id].pages
+        except KeyError:
+            raise KVUsageError(f"request {request_id!r} is unknown or already released") from None
 
     def num_tokens(self, request_id: Hashable) -> int:
         return self._get(request_id).num_slots
 
-    def num_computed_tokens(self, request_id: Hashable) -> int:
-        return self._get(request_id).num_committed
-
-    def num_cached_tokens(self, request_id: Hashable) -> int:
-        return self._get(request_id).num_cached
+    def num_computed_pages(self, request_id: Hashable) -> int:
+        """Full pages whose KV is computed (hashed; registered when the cache is on)."""
+        return len(self._get(request_id).hashes)
 
     def request_ids(self) -> list[Hashable]:
         return list(self._seqs)
@@ -321,13 +346,16 @@ class BlockManager:
         if len(ids) > max_batch:
             raise PageRefOverflowError(f"{len(ids)} sequences > max_batch={max_batch}")
         per_seq = _cdiv(max_model_len, self.page_size)
-        total = 0
-        for rid in ids:
-            n = len(self._get(rid).pages)
-            if n > per_seq:
-                raise PageRefOverflowError(f"request {rid!r} holds {n} pages > {per_seq} "
-                                           f"(max_model_len={max_model_len})")
-            total += n
+        seqs = self._seqs
+        try:
+            lens = [len(seqs[rid].pages) for rid in ids]
+        except KeyError as e:
+            raise KVUsageError(f"request {e.args[0]!r} is unknown or already released") from None
+        if lens and max(lens) > per_seq:
+            i = next(i for i, n in enumerate(lens) if n > per_seq)
+            raise PageRefOverflowError(f"request {ids[i]!r} holds {lens[i]} pages > {per_seq} "
+                                       f"(max_model_len={max_model_len})")
+        total = sum(lens)
         limit = self.max_page_refs(max_batch, max_model_len)
         if total > limit:
             raise PageRefOverflowError(f"{total} page references > max_page_refs={limit}")
@@ -339,7 +367,7 @@ class BlockManager:
             tuple(pool.free), tuple(pool.inactive), tuple(pool.ref),
             tuple(sorted(pool.pins.items())), tuple(sorted(pool.dup_of.items())),
             tuple(sorted(self._cache.registered_pages())),
-            tuple((rid, tuple(s.pages), s.num_slots, s.num_committed)
+            tuple((rid, tuple(s.pages), s.num_slots, len(s.hashes))
                   for rid, s in self._seqs.items()),
             pool.caching)
 
@@ -349,16 +377,6 @@ class BlockManager:
         if seq is None:
             raise KVUsageError(f"request {request_id!r} is unknown or already released")
         return seq
-
-    def _check_tokens(self, seq: _Seq, start: int, token_ids: Sequence[int]) -> None:
-        known = seq.token_ids[start:start + len(token_ids)]
-        if list(token_ids[:len(known)]) != known:
-            raise KVUsageError(f"token_ids from position {start} disagree with the known tokens")
-
-    def _record_tokens(self, seq: _Seq, start: int, token_ids: Sequence[int]) -> None:
-        n_known = len(seq.token_ids)
-        if start <= n_known:
-            seq.token_ids.extend(token_ids[n_known - start:])
 
     def _registration_enabled(self) -> bool:
         return self._pool.caching

@@ -69,11 +69,12 @@ def check_invariants(bm: BlockManager, *, max_batch: int | None = None,
                 "page_refs": sum(holders.values()), "duplicates": len(dups),
                 "requests": len(s.tables)}
     _require(g == expected, f"gauges {g} != {expected}")
-    # Tables: sized to their slots; pages not fully committed are written, so exclusive.
+    # Tables: sized to their slots; pages not fully computed are written, so exclusive.
     ps = bm.page_size
-    for rid, pages, num_slots, num_committed in s.tables:
+    for rid, pages, num_slots, num_full in s.tables:
         _require(len(pages) == -(-num_slots // ps), f"request {rid!r}: table size != slots")
-        for page in pages[num_committed // ps:]:
+        _require(num_full * ps <= num_slots, f"request {rid!r}: more full pages than slots")
+        for page in pages[num_full:]:
             _require(s.refcounts[page] == 1 and page not in registered,
                      f"request {rid!r}: page {page} is written to but shared or registered")
     # By reference: every live request in one decode batch fits the page-index buffer.

@@ -37,7 +37,6 @@ class _Pending:
     n: int  # real tokens of the step
     drafts: list[int]  # speculative tokens appended after them
     slots: list[int]
-    ids_given: bool  # token ids were passed to append_slots
 
 
 @dataclass
@@ -45,6 +44,8 @@ class _Req:
     rid: int
     salt: str | None
     tokens: list[int]  # prompt + generated; tokens[computed:] still need their KV computed
+    # (the model owns the tokens and the progress, as the scheduler's Request does: the block
+    # manager is given them, never keeps them)
     prompt_len: int  # at (re)admission
     computed: int = 0
     pending: _Pending | None = None
@@ -115,15 +116,13 @@ class KVStateMachine(RuleBasedStateMachine):
         if not bm.can_allocate(need):
             return False
         avail = bm.num_free + bm.num_inactive
-        given = data.draw(st.booleans(), "ids to append_slots")
-        ids = (req.tokens + drafts)[req.computed:req.computed + n + len(drafts)]
         try:
-            slots = bm.append_slots(req.rid, n + len(drafts), ids if given else None)
+            slots = bm.append_slots(req.rid, n + len(drafts))
         except OutOfPagesError as e:
             raise AssertionError(f"can_allocate({need}) said yes, then: {e}") from e
         assert avail - bm.num_free - bm.num_inactive == need, "pages_needed was not exact"
         assert len(slots) == len(set(slots)) == n + len(drafts)
-        req.pending = _Pending(n, drafts, slots, given)
+        req.pending = _Pending(n, drafts, slots)
         return True
 
     def _pick(self, data: st.DataObject, reqs: list[_Req]) -> _Req:
@@ -211,7 +210,7 @@ class KVStateMachine(RuleBasedStateMachine):
         if data.draw(st.sampled_from([False] * 7 + [True]), "step fails"):
             for slot in p.slots:
                 m.content[slot] = ("garbage",)
-            bm.rollback(req.rid, p.n + k)
+            bm.rollback(req.rid, p.n + k, start)
             req.pending = None
             self._event("failed step rolled back")
             return
@@ -221,13 +220,12 @@ class KVStateMachine(RuleBasedStateMachine):
         accepted = min(data.draw(st.integers(0, k), "accepted"), w.max_model_len - len(req.tokens))
         tokens = req.tokens + p.drafts[:accepted]
         computed = start + p.n + accepted
-        ids = None if p.ids_given and data.draw(st.booleans(), "commit without ids") else tokens
         if data.draw(st.booleans(), "rollback first"):
-            bm.rollback(req.rid, k - accepted)
-            bm.commit(req.rid, computed, ids)
+            bm.rollback(req.rid, k - accepted, start)
+            bm.commit(req.rid, start, computed, tokens)
         else:
-            bm.commit(req.rid, computed, ids)
-            bm.rollback(req.rid, k - accepted)
+            bm.commit(req.rid, start, computed, tokens)
+            bm.rollback(req.rid, k - accepted, computed)
         if k > accepted:
             self._event("speculative tokens rejected")
         req.tokens, req.computed, req.pending = tokens, computed, None
@@ -274,7 +272,7 @@ class KVStateMachine(RuleBasedStateMachine):
         kinds = ["release_released", "append_released"]
         if live:
             kinds += ["rollback_committed", "commit_past_slots", "commit_backwards",
-                      "create_twice", "over_allocate"]
+                      "commit_unknown_tokens", "create_twice", "over_allocate"]
         kind = data.draw(st.sampled_from(kinds), "misuse")
         before = bm.snapshot()
         req = data.draw(st.sampled_from(live), "request") if live else None
@@ -292,15 +290,22 @@ class KVStateMachine(RuleBasedStateMachine):
                 bm.append_slots(req.rid, fill + (bm.num_free + bm.num_inactive + 1) * bm.page_size)
             elif kind == "rollback_committed":
                 assert req is not None
-                bm.rollback(req.rid, bm.num_tokens(req.rid) - req.computed + 1)
+                bm.rollback(req.rid, bm.num_tokens(req.rid) - req.computed + 1, req.computed)
             elif kind == "commit_past_slots":
                 assert req is not None
-                bm.commit(req.rid, bm.num_tokens(req.rid) + 1, req.tokens + [0] * 64)
+                bm.commit(req.rid, req.computed, bm.num_tokens(req.rid) + 1,
+                          req.tokens + [0] * 64)
             elif kind == "commit_backwards":
                 assert req is not None
                 if req.computed == 0:
                     return
-                bm.commit(req.rid, req.computed - 1, req.tokens)
+                bm.commit(req.rid, req.computed, req.computed - 1, req.tokens)
+            elif kind == "commit_unknown_tokens":  # fewer token ids than positions
+                assert req is not None
+                n = bm.num_tokens(req.rid)
+                if n == 0:
+                    return
+                bm.commit(req.rid, req.computed, n, [0] * (n - 1))
             elif kind == "create_twice":
                 assert req is not None
                 bm.create(req.rid, req.tokens, req.salt)
@@ -323,7 +328,7 @@ class KVStateMachine(RuleBasedStateMachine):
         for req in m.live.values():
             pages = bm.page_table(req.rid)
             in_flight = req.pending.n + len(req.pending.drafts) if req.pending else 0
-            assert bm.num_computed_tokens(req.rid) == req.computed
+            assert bm.num_computed_pages(req.rid) == req.computed // ps
             assert bm.num_tokens(req.rid) == req.computed + in_flight <= w.max_model_len
             if req.pending:
                 assert req.pending.slots == [pages[q // ps] * ps + q % ps for q in
