@@ -44,6 +44,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync
 
+from cutlass_kernels._common import Ptr, Scalar, Signature, Unused
+
 LOG2_E = 1.4426950408889634
 NUM_THREADS = 128
 COMBINE_WARPS = 4
@@ -346,6 +348,13 @@ class DecodeAttention:
             mO[b, qh, lane, None].store((acc.load() * inv).to(cutlass.BFloat16))
 
 
+SIGNATURE = Signature(
+    Ptr("q", "bf16"), Ptr("k_cache", "bf16"), Ptr("v_cache", "bf16"), Ptr("page_indices", "i32"),
+    Ptr("context_lens", "i32"), Ptr("out", "bf16"), Ptr("workspace", "f32"),
+    Scalar("batch", cutlass.Int32), Scalar("page_stride", cutlass.Int32),
+    Scalar("num_splits", cutlass.Int32), Scalar("scale", cutlass.Float32, fake=1.0))
+
+
 class DecodeAttentionLauncher:
     """Typed entry point: device buffers (objects with .ptr, or ints), Python ints, the stream."""
 
@@ -367,25 +376,16 @@ class DecodeAttentionLauncher:
         if need and (workspace is None or getattr(workspace, "nbytes", need) < need):
             raise _common.KernelArgError(f"num_splits={num_splits} needs a workspace of {need} "
                                          "bytes (decode_workspace_bytes)")
-        ws = _common.addr(workspace) if workspace is not None else _common.addr(out)
-        fn = self._split if num_splits > 1 else self._single
-        fn(_common.gmem_ptr("bf16", _common.addr(q)),
-           _common.gmem_ptr("bf16", _common.addr(k_cache)),
-           _common.gmem_ptr("bf16", _common.addr(v_cache)),
-           _common.gmem_ptr("i32", _common.addr(page_indices)),
-           _common.gmem_ptr("i32", _common.addr(context_lens)),
-           _common.gmem_ptr("bf16", _common.addr(out)),
-           _common.gmem_ptr("f32", ws),
-           cutlass.Int32(batch), cutlass.Int32(page_stride), cutlass.Int32(num_splits),
-           cutlass.Float32(scale), stream)
+        kernel = self._split if num_splits > 1 else self._single
+        kernel(q, k_cache, v_cache, page_indices, context_lens, out,
+               Unused(out) if workspace is None else workspace, batch, page_stride, num_splits,
+               scale, stream)
 
 
-def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool, num_stages: int):
+def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool,
+             num_stages: int) -> _common.Kernel:
     op = DecodeAttention(nq, nkv, head_dim, page_size, split=split, num_stages=num_stages)
-    f = _common.fake_ptr
-    return cute.compile(op, f("bf16"), f("bf16"), f("bf16"), f("i32"), f("i32"), f("bf16"),
-                        f("f32"), cutlass.Int32(1), cutlass.Int32(1), cutlass.Int32(1),
-                        cutlass.Float32(1.0), _common.fake_stream())
+    return SIGNATURE.compile(op)
 
 
 def compile_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,

@@ -22,6 +22,8 @@ import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import Int32
 
+from cutlass_kernels._common import Ptr, Scalar, Signature
+
 _DTYPES = {"bf16": (cutlass.BFloat16, 2), "f32": (cutlass.Float32, 4)}
 
 
@@ -72,17 +74,11 @@ class Embedding:
 # Host side
 
 
-def _ptr(buf: Any, dtype: str, numel: int, name: str, align: int = 16) -> cute.Pointer:
-    """Typed pointer for a device buffer (has .ptr) or an address; checks size when known."""
-    nbytes = getattr(buf, "nbytes", None)
-    need = numel * {"bf16": 2, "f32": 4, "i32": 4}[dtype]
-    if nbytes is not None and nbytes < need:
-        raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {need} B")
-    return common.gmem_ptr(dtype, common.addr(buf), align)
-
-
-def _stream(stream: Any) -> Any:
-    return getattr(stream, "handle", stream)
+def signature(dtype: str) -> Signature:
+    return Signature(Ptr("ids", "i32", 4, ("num_tokens",)),
+                     Ptr("table", dtype, shape=("num_rows", "hidden")),
+                     Ptr("out", dtype, shape=("num_tokens", "hidden")),
+                     Scalar("num_rows", Int32), Scalar("num_tokens", Int32))
 
 
 class EmbeddingLauncher:
@@ -92,8 +88,8 @@ class EmbeddingLauncher:
     aligned); stream: a CUstream or an object with ``.handle``. T == 0 launches nothing.
     """
 
-    def __init__(self, compiled: Any, hidden: int, dtype: str) -> None:
-        self.compiled, self.hidden, self.dtype = compiled, hidden, dtype
+    def __init__(self, kernel: common.Kernel, dtype: str) -> None:
+        self.kernel, self.hidden, self.dtype = kernel, kernel.op.hidden, dtype
 
     def __call__(self, ids: Any, table: Any, out: Any, num_rows: int, num_tokens: int,
                  stream: Any) -> None:
@@ -102,19 +98,13 @@ class EmbeddingLauncher:
             return
         if num_rows <= 0:
             raise common.KernelArgError(f"num_rows={num_rows}: the table must have rows")
-        self.compiled(_ptr(ids, "i32", num_tokens, "ids", 4),
-                      _ptr(table, self.dtype, num_rows * self.hidden, "table"),
-                      _ptr(out, self.dtype, num_tokens * self.hidden, "out"),
-                      Int32(num_rows), Int32(num_tokens), _stream(stream))
+        self.kernel(ids, table, out, num_rows, num_tokens, stream)
 
 
 def compile_embedding(hidden: int, dtype: str = "bf16") -> EmbeddingLauncher:
     """Compile (once per ``(hidden, dtype)``) the row gather."""
 
     def build() -> EmbeddingLauncher:
-        op = Embedding(hidden, dtype)
-        compiled = cute.compile(op, common.fake_ptr("i32", 4), common.fake_ptr(dtype),
-                                common.fake_ptr(dtype), Int32(1), Int32(1), common.fake_stream())
-        return EmbeddingLauncher(compiled, hidden, dtype)
+        return EmbeddingLauncher(signature(dtype).compile(Embedding(hidden, dtype)), dtype)
 
     return common.cached_compile(("embedding", hidden, dtype), build)

@@ -9,8 +9,11 @@ Layout (docs/kernels.md): A ``bf16[M, K]`` activations, W ``bf16[N, K]`` the che
 fp32 (``out_dtype="f32"`` for lm_head logits). All row-major and contiguous; C is rounded once,
 from the fp32 accumulator.
 
-Constraints (checked by ``compile_gemm``): N % 8 == 0, K % 64 == 0 (every model width is a
-multiple of 64), N, K > 0; buffers 16-byte aligned (checked per call). M = 0 is a no-op.
+Constraints (checked by ``compile_gemm``): N % 8 == 0, K % 64 == 0, N, K > 0; buffers 16-byte
+aligned (checked per call). M = 0 is a no-op. A model width that is not such a multiple (a
+vocabulary of 32001, an intermediate size of 416) is padded by the engine with zero weight rows /
+columns (``engine/executor/cuda_shapes.Padded``): zero columns of K add exactly nothing, and the
+extra columns of C are never read.
 
 Two paths, chosen per call by M (M stays dynamic inside each compiled kernel):
 
@@ -39,8 +42,8 @@ import cutlass_kernels._common as common  # sets CUTE_DSL_ARCH before cutlass lo
 
 # isort: split
 import cutlass
-import cutlass.cute as cute
 
+from cutlass_kernels._common import Kernel, Ptr, Scalar, Signature
 from cutlass_kernels.gemm_skinny import SLAB, GemmSkinnySm90
 from cutlass_kernels.gemm_sm90 import BK, GemmSm90
 
@@ -87,6 +90,12 @@ class GemmConfig:
     pdl: bool = False
 
 
+def signatures(out_dtype: str) -> tuple[Signature, Signature]:
+    """(skinny, tiled): the skinny kernel also takes the rows its TMA view of A spans."""
+    abc = (Ptr("a", "bf16"), Ptr("w", "bf16"), Ptr("c", out_dtype), Scalar("m", cutlass.Int32))
+    return Signature(*abc, Scalar("m_load", cutlass.Int32)), Signature(*abc)
+
+
 class GemmLauncher:
     """Typed entry to the compiled kernels of one (N, K, out_dtype).
 
@@ -95,29 +104,17 @@ class GemmLauncher:
     object with ``.handle``, e.g. engine.cuda.driver.Stream).
     """
 
-    def __init__(self, cfg: GemmConfig, skinny: list[tuple[int, Any]], tiled: Any) -> None:
+    def __init__(self, cfg: GemmConfig, skinny: list[tuple[int, Kernel]], tiled: Kernel) -> None:
         self.cfg = cfg
-        self._skinny = skinny  # [(tile_t, compiled)] ascending
+        self._skinny = skinny  # [(tile_t, kernel)] ascending
         self._tiled = tiled
-        # Pointer objects by address: building them costs ~10 us a call, and the engine passes
-        # the same static buffers every step.
-        self._ptrs: dict[tuple[str, int], Any] = {}
-
-    def _ptr(self, dtype: str, buf: Any) -> Any:
-        key = (dtype, common.addr(buf))
-        ptr = self._ptrs.get(key)
-        if ptr is None:
-            if len(self._ptrs) >= 1024:
-                self._ptrs.clear()
-            ptr = self._ptrs[key] = common.gmem_ptr(dtype, key[1])
-        return ptr
 
     def path(self, m: int) -> str:
         """Which kernel serves M: 'skinny<tile_t>' or 'tiled'."""
         tile_t, _ = self._pick(m)
         return f"skinny{tile_t}" if tile_t else "tiled"
 
-    def _pick(self, m: int) -> tuple[int, Any]:
+    def _pick(self, m: int) -> tuple[int, Kernel]:
         """(skinny token tile, kernel), or (0, tiled kernel)."""
         if m <= self.cfg.crossover:
             for tile_t, fn in self._skinny:
@@ -129,7 +126,7 @@ class GemmLauncher:
 
     def compiled(self) -> list[Any]:
         """Every compiled function (to load modules, ``f.to()``, before graph capture)."""
-        return [fn for _, fn in self._skinny] + [self._tiled]
+        return [k.compiled for _, k in self._skinny] + [self._tiled.compiled]
 
     def __call__(self, a: Any, w: Any, c: Any, m: int, stream: Any) -> None:
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
@@ -140,12 +137,10 @@ class GemmLauncher:
         # The skinny kernel indexes C with Int32; TMA (tiled path) takes 32-bit coordinates.
         if m * self.cfg.k >= 2**31 or (tile_t and m * self.cfg.n >= 2**31):
             raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")
-        pa, pw, pc = self._ptr("bf16", a), self._ptr("bf16", w), self._ptr(self.cfg.out_dtype, c)
-        st = getattr(stream, "handle", stream)
         if tile_t:
-            fn(pa, pw, pc, cutlass.Int32(m), cutlass.Int32(self.load_rows(a, m, tile_t)), st)
+            fn(a, w, c, m, self.load_rows(a, m, tile_t), stream)
         else:
-            fn(pa, pw, pc, cutlass.Int32(m), st)
+            fn(a, w, c, m, stream)
 
     def load_rows(self, a: Any, m: int, tile_t: int) -> int:
         """Rows of A the skinny kernel's TMA view spans: M rounded up to the token tile when A's
@@ -208,11 +203,8 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
 
 def _build(cfg: GemmConfig) -> GemmLauncher:
     c_dtype = OUT_DTYPES[cfg.out_dtype]
-    ptrs = (common.fake_ptr("bf16"), common.fake_ptr("bf16"), common.fake_ptr(cfg.out_dtype),
-            cutlass.Int32(1))
-    skinny = [(t, cute.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl), *ptrs,
-                               cutlass.Int32(1), common.fake_stream()))
+    skinny_sig, tiled_sig = signatures(cfg.out_dtype)
+    skinny = [(t, skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl)))
               for t, s in cfg.skinny]
-    tiled = cute.compile(GemmSm90(cfg.n, cfg.k, c_dtype, tile_n=cfg.tile_n), *ptrs,
-                         common.fake_stream())
+    tiled = tiled_sig.compile(GemmSm90(cfg.n, cfg.k, c_dtype, tile_n=cfg.tile_n))
     return GemmLauncher(cfg, skinny, tiled)

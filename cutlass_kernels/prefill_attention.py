@@ -35,6 +35,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
+from cutlass_kernels._common import Ptr, Scalar, Signature
+
 LOG2_E = 1.4426950408889634
 NUM_THREADS = 128
 TILE_M = 64
@@ -350,12 +352,21 @@ class PrefillAttention:
         return x + cute.arch.shuffle_sync_bfly(x, offset=1)
 
 
+SIGNATURE = Signature(
+    Ptr("q", "bf16"), Ptr("k_cache", "bf16"), Ptr("v_cache", "bf16"), Ptr("cu_seqlens_q", "i32"),
+    Ptr("context_lens", "i32"), Ptr("page_indices", "i32"), Ptr("out", "bf16"),
+    Scalar("total_q", cutlass.Int32), Scalar("batch", cutlass.Int32),
+    Scalar("page_stride", cutlass.Int32), Scalar("max_q_len", cutlass.Int32),
+    Scalar("scale", cutlass.Float32, fake=1.0))
+
+
 class PrefillAttentionLauncher:
     """Typed entry point: device buffers (objects with .ptr, or ints), Python ints, the stream."""
 
-    def __init__(self, nq: int, nkv: int, head_dim: int, page_size: int, compiled):
+    def __init__(self, nq: int, nkv: int, head_dim: int, page_size: int,
+                 kernel: _common.Kernel):
         self.nq, self.nkv, self.hd, self.ps = nq, nkv, head_dim, page_size
-        self._fn = compiled
+        self._fn = kernel
 
     def __call__(self, q, k_cache, v_cache, cu_seqlens_q, context_lens, page_indices, out,
                  total_q: int, batch: int, page_stride: int, max_q_len: int, scale: float,
@@ -364,15 +375,8 @@ class PrefillAttentionLauncher:
                         ("max_q_len", max_q_len)):
             if not isinstance(v, int) or v < 1:
                 raise _common.KernelArgError(f"{name} must be a positive int, got {v!r}")
-        self._fn(_common.gmem_ptr("bf16", _common.addr(q)),
-                 _common.gmem_ptr("bf16", _common.addr(k_cache)),
-                 _common.gmem_ptr("bf16", _common.addr(v_cache)),
-                 _common.gmem_ptr("i32", _common.addr(cu_seqlens_q)),
-                 _common.gmem_ptr("i32", _common.addr(context_lens)),
-                 _common.gmem_ptr("i32", _common.addr(page_indices)),
-                 _common.gmem_ptr("bf16", _common.addr(out)),
-                 cutlass.Int32(total_q), cutlass.Int32(batch), cutlass.Int32(page_stride),
-                 cutlass.Int32(max_q_len), cutlass.Float32(scale), stream)
+        self._fn(q, k_cache, v_cache, cu_seqlens_q, context_lens, page_indices, out, total_q,
+                 batch, page_stride, max_q_len, scale, stream)
 
 
 def compile_prefill_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -381,12 +385,7 @@ def compile_prefill_attention(num_q_heads: int, num_kv_heads: int, head_dim: int
 
     def build() -> PrefillAttentionLauncher:
         op = PrefillAttention(num_q_heads, num_kv_heads, head_dim, page_size)
-        f = _common.fake_ptr
-        compiled = cute.compile(op, f("bf16"), f("bf16"), f("bf16"), f("i32"), f("i32"),
-                                f("i32"), f("bf16"), cutlass.Int32(1), cutlass.Int32(1),
-                                cutlass.Int32(1), cutlass.Int32(1), cutlass.Float32(1.0),
-                                _common.fake_stream())
         return PrefillAttentionLauncher(num_q_heads, num_kv_heads, head_dim, page_size,
-                                        compiled)
+                                        SIGNATURE.compile(op))
 
     return _common.cached_compile(key, build)

@@ -8,10 +8,16 @@ Constraints: H % 8 == 0 (one 128-bit vector = 8 bf16); T and eps are runtime. ``
 ``x`` (a CTA reads its whole row into registers before the reduction barrier, then writes);
 ``residual`` must not alias ``out``.
 
-Layout: ``x, residual, out`` bf16 ``[T, H]`` row-major contiguous; ``w`` bf16 ``[H]``.
+Padded rows (``norm_size`` < H, compile-time): the mean of squares divides by ``norm_size``, the
+model's real width, instead of H. The engine pads a hidden size that is not a multiple of the GEMM
+tiles with zero columns (x, residual and weight zero there), so the sum of squares is that of the
+real columns and the padding columns come out zero. ``norm_size == H`` is the plain kernel.
+
+Layout: ``x, residual, out`` bf16 ``[T, H]`` row-major contiguous; ``weight`` bf16 ``[H]``.
 Grid ``(T, 1, 1)``: one CTA per row. Block: ``NV = ceil(H/8 / 256)`` vectors per thread,
 ``ceil32(ceil(H/8 / NV))`` threads (H=4096: 256 x 2, H=576: 96 x 1); the row lives in registers,
-the sum of squares goes warp shuffle -> shared memory -> every thread adds the warp sums in order.
+the sum of squares goes warp shuffle -> shared memory -> every thread adds the warp sums in order
+(``_reduce.block_reduce``).
 """
 
 import cutlass_kernels._common as common  # noqa: I001  (sets CUTE_DSL_ARCH before cutlass)
@@ -22,14 +28,21 @@ import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32
 
+from cutlass_kernels._common import Ptr, Scalar, Signature, Unused
+from cutlass_kernels._reduce import add, block_reduce
+
 VEC = 8  # bf16 per 128-bit vector
 
 
 class RMSNorm:
-    def __init__(self, hidden: int, fused_residual: bool) -> None:
+    def __init__(self, hidden: int, fused_residual: bool, norm_size: int | None = None) -> None:
         if hidden % VEC:
             raise ValueError(f"hidden={hidden} must be a multiple of {VEC}")
+        norm_size = hidden if norm_size is None else norm_size
+        if not 0 < norm_size <= hidden:
+            raise ValueError(f"norm_size={norm_size} must be in [1, hidden={hidden}]")
         self.hidden = hidden
+        self.norm_size = norm_size  # the mean's divisor: the real row width (module docstring)
         self.fused = fused_residual
         self.nvec = hidden // VEC
         self.nv = (self.nvec + 255) // 256  # vectors per thread
@@ -37,13 +50,13 @@ class RMSNorm:
         self.nwarps = self.threads // 32
 
     @cute.jit
-    def __call__(self, x: cute.Pointer, residual: cute.Pointer, w: cute.Pointer,
+    def __call__(self, x: cute.Pointer, residual: cute.Pointer, weight: cute.Pointer,
                  out: cute.Pointer, num_tokens: Int32, eps: Float32, stream: cuda.CUstream):
         rows = cute.make_layout((num_tokens, self.nvec, VEC), stride=(self.hidden, VEC, 1))
         mX = cute.make_tensor(x, rows)
         mR = cute.make_tensor(residual, rows)
         mO = cute.make_tensor(out, rows)
-        mW = cute.make_tensor(w, cute.make_layout((self.nvec, VEC), stride=(VEC, 1)))
+        mW = cute.make_tensor(weight, cute.make_layout((self.nvec, VEC), stride=(VEC, 1)))
         self.kernel(mX, mR, mW, mO, eps).launch(
             grid=[num_tokens, 1, 1], block=[self.threads, 1, 1], stream=stream)
 
@@ -69,16 +82,8 @@ class RMSNorm:
                 rX[None, i].store(x)
         xv = rX.load()
         ss = (xv * xv).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        ss = cute.arch.warp_reduction(ss, lambda a, b: a + b)
-        # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
-        wid = cute.arch.warp_idx()
-        if cute.arch.lane_idx() == 0:
-            sSum[wid] = ss
-        cute.arch.sync_threads()
-        total = sSum[0]
-        for k in cutlass.range_constexpr(1, self.nwarps):
-            total = total + sSum[k]
-        rstd = cute.math.rsqrt(total / Float32(self.hidden) + eps)
+        (total,) = block_reduce((ss,), add, (sSum,), self.nwarps, reuse_smem=False)
+        rstd = cute.math.rsqrt(total / Float32(self.norm_size) + eps)
 
         for i in cutlass.range_constexpr(self.nv):
             c = tidx + i * self.threads
@@ -91,12 +96,10 @@ class RMSNorm:
 # ---------------------------------------------------------------------------------------------
 # Host side
 
-
-def _ptr(buf: Any, numel: int, name: str) -> cute.Pointer:
-    nbytes = getattr(buf, "nbytes", None)
-    if nbytes is not None and nbytes < 2 * numel:
-        raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {2 * numel} B")
-    return common.gmem_ptr("bf16", common.addr(buf))
+ROWS = ("num_tokens", "hidden")
+SIGNATURE = Signature(Ptr("x", "bf16", shape=ROWS), Ptr("residual", "bf16", shape=ROWS),
+                      Ptr("weight", "bf16", shape=("hidden",)), Ptr("out", "bf16", shape=ROWS),
+                      Scalar("num_tokens", Int32), Scalar("eps", Float32, fake=1e-6))
 
 
 class RMSNormLauncher:
@@ -106,8 +109,8 @@ class RMSNormLauncher:
     compiled with ``fused_residual=True``, else it must be None. eps: Python float.
     """
 
-    def __init__(self, compiled: Any, hidden: int, fused: bool) -> None:
-        self.compiled, self.hidden, self.fused = compiled, hidden, fused
+    def __init__(self, kernel: common.Kernel) -> None:
+        self.kernel, self.hidden, self.fused = kernel, kernel.op.hidden, kernel.op.fused
 
     def __call__(self, x: Any, residual: Any, weight: Any, out: Any, num_tokens: int,
                  eps: float, stream: Any) -> None:
@@ -117,20 +120,17 @@ class RMSNormLauncher:
                 "residual must be given exactly when compiled with fused_residual=True")
         if t <= 0:
             return
-        n = t * self.hidden
-        px = _ptr(x, n, "x")
-        pr = _ptr(residual, n, "residual") if self.fused else px
-        self.compiled(px, pr, _ptr(weight, self.hidden, "weight"), _ptr(out, n, "out"),
-                      Int32(t), Float32(float(eps)), getattr(stream, "handle", stream))
+        self.kernel(x, residual if self.fused else Unused(x), weight, out, t, float(eps), stream)
 
 
-def compile_rmsnorm(hidden: int, fused_residual: bool = False) -> RMSNormLauncher:
-    """Compile (once per ``(hidden, fused_residual)``) the RMSNorm kernel."""
+def compile_rmsnorm(hidden: int, fused_residual: bool = False,
+                    norm_size: int | None = None) -> RMSNormLauncher:
+    """Compile (once per ``(hidden, fused_residual, norm_size)``) the RMSNorm kernel; rows of
+    ``hidden`` normalized over their first ``norm_size`` columns (default: all; the rest must be
+    zero, module docstring)."""
+    n = hidden if norm_size is None else int(norm_size)
 
     def build() -> RMSNormLauncher:
-        p = common.fake_ptr("bf16")
-        compiled = cute.compile(RMSNorm(hidden, fused_residual), p, p, p, p, Int32(1),
-                                Float32(1e-6), common.fake_stream())
-        return RMSNormLauncher(compiled, hidden, fused_residual)
+        return RMSNormLauncher(SIGNATURE.compile(RMSNorm(hidden, fused_residual, n)))
 
-    return common.cached_compile(("rmsnorm", hidden, bool(fused_residual)), build)
+    return common.cached_compile(("rmsnorm", hidden, bool(fused_residual), n), build)

@@ -33,6 +33,8 @@ import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32, Int64
 
+from cutlass_kernels._common import Ptr, Scalar, Signature, Unused
+
 VEC = 8
 
 
@@ -151,15 +153,15 @@ class RopeKV:
 # ---------------------------------------------------------------------------------------------
 # Host side
 
-_SIZE = {"bf16": 2, "f32": 4, "i32": 4, "i64": 8}
-
-
-def _ptr(buf: Any, dtype: str, numel: int, name: str, align: int = 16) -> cute.Pointer:
-    nbytes = getattr(buf, "nbytes", None)
-    need = numel * _SIZE[dtype]
-    if nbytes is not None and nbytes < need:
-        raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {need} B")
-    return common.gmem_ptr(dtype, common.addr(buf), align)
+SIGNATURE = Signature(
+    Ptr("qkv", "bf16", shape=("num_tokens", "width")),
+    Ptr("positions", "i32", 4, ("num_tokens",)),
+    Ptr("slot_mapping", "i64", 8, ("num_tokens",)),
+    Ptr("q_norm_w", "bf16", shape=("hd",)), Ptr("k_norm_w", "bf16", shape=("hd",)),
+    Ptr("cos_sin", "f32", shape=("max_pos", "hd")),
+    Ptr("q_out", "bf16", shape=("num_tokens", "nq", "hd")),
+    Ptr("k_cache", "bf16"), Ptr("v_cache", "bf16"),  # written at slots < the cache's size
+    Scalar("num_tokens", Int32), Scalar("max_pos", Int32), Scalar("eps", Float32, fake=1e-6))
 
 
 class RopeKVLauncher:
@@ -172,8 +174,8 @@ class RopeKVLauncher:
     positions / slot_mapping need their natural alignment (4 / 8 bytes), the rest 16 bytes.
     """
 
-    def __init__(self, compiled: Any, op: RopeKV) -> None:
-        self.compiled, self.op = compiled, op
+    def __init__(self, kernel: common.Kernel) -> None:
+        self.kernel, self.op = kernel, kernel.op
 
     def __call__(self, qkv: Any, positions: Any, slot_mapping: Any, q_norm_w: Any,
                  k_norm_w: Any, cos_sin: Any, q_out: Any, k_cache: Any, v_cache: Any,
@@ -186,19 +188,10 @@ class RopeKVLauncher:
             raise common.KernelArgError(f"max_pos={max_pos}: the cos/sin table must have rows")
         if t <= 0:
             return
-        pcs = _ptr(cos_sin, "f32", max_pos * op.hd, "cos_sin")
-        if op.qk_norm:
-            pwq = _ptr(q_norm_w, "bf16", op.hd, "q_norm_w")
-            pwk = _ptr(k_norm_w, "bf16", op.hd, "k_norm_w")
-        else:  # never read; any valid bf16 pointer fills the slot
-            pwq = pwk = _ptr(qkv, "bf16", 0, "qkv")
-        self.compiled(_ptr(qkv, "bf16", t * op.width, "qkv"),
-                      _ptr(positions, "i32", t, "positions", 4),
-                      _ptr(slot_mapping, "i64", t, "slot_mapping", 8), pwq, pwk, pcs,
-                      _ptr(q_out, "bf16", t * op.nq * op.hd, "q_out"),
-                      _ptr(k_cache, "bf16", 0, "k_cache"), _ptr(v_cache, "bf16", 0, "v_cache"),
-                      Int32(t), Int32(max_pos), Float32(float(eps)),
-                      getattr(stream, "handle", stream))
+        if not op.qk_norm:  # never read; any valid bf16 pointer fills the slot
+            q_norm_w = k_norm_w = Unused(qkv)
+        self.kernel(qkv, positions, slot_mapping, q_norm_w, k_norm_w, cos_sin, q_out, k_cache,
+                    v_cache, t, max_pos, float(eps), stream)
 
 
 def compile_rope_kv(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
@@ -208,10 +201,6 @@ def compile_rope_kv(num_q_heads: int, num_kv_heads: int, head_dim: int, page_siz
 
     def build() -> RopeKVLauncher:
         op = RopeKV(num_q_heads, num_kv_heads, head_dim, page_size, bool(qk_norm))
-        b, f = common.fake_ptr("bf16"), common.fake_ptr("f32")
-        pos, slots = common.fake_ptr("i32", 4), common.fake_ptr("i64", 8)
-        compiled = cute.compile(op, b, pos, slots, b, b, f, b, b, b, Int32(1), Int32(1),
-                                Float32(1e-6), common.fake_stream())
-        return RopeKVLauncher(compiled, op)
+        return RopeKVLauncher(SIGNATURE.compile(op))
 
     return common.cached_compile(key, build)

@@ -28,7 +28,10 @@ default 20). Two passes over the row: an online max/sum, then rank count + per-t
 merged by n block-wide argmax rounds.
 
 Constraints: V compile-time (any V; V % 4 == 0 gets 128-bit loads), S/R and n runtime.
-Layout: logits row-major ``[rows, V]`` contiguous; per-row params ``temperature f32[S]``,
+Layout: logits row-major ``[rows, row_stride]``, ``row_stride >= V`` compile-time (default V:
+contiguous); only columns ``[0, V)`` are read, so a GEMM whose N is padded past the vocabulary
+(zero weight rows) leaves padding logits that no token id, logprob or rank ever sees (128-bit
+loads when V and row_stride are both multiples of 4). Per-row params ``temperature f32[S]``,
 ``top_k i32[S]``, ``top_p f32[S]``, ``min_p f32[S]``, ``seeds u64[S]``, ``steps u32[S]``;
 outputs ``tokens i32[S]``; logprobs: ``token_ids i32[R]`` -> ``token_logprob f32[R]``,
 ``token_rank i32[R]``, ``top_ids i32[R, max_top_n]``, ``top_logprobs f32[R, max_top_n]``
@@ -43,6 +46,9 @@ import cutlass
 import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import Float32, Float64, Int32, Uint32, Uint64
+
+from cutlass_kernels._common import Ptr, Scalar, Signature, Unused
+from cutlass_kernels._reduce import add, block_reduce
 
 NBINS = 2048  # 11-bit radix digits: shifts 21, 10, 0 (the last digit overlaps one fixed bit)
 MASS_ONE = 2.0**40  # fixed-point scale of exp(d) <= 1: a row's total mass stays below 2^58
@@ -75,44 +81,46 @@ def _mass(d: Float32) -> Uint64:
     return Uint64(cute.math.exp(d) * Float32(MASS_ONE))
 
 
+def _row_stride(vocab: int, row_stride: int | None) -> int:
+    stride = vocab if row_stride is None else row_stride
+    if not 0 < vocab <= stride:
+        raise ValueError(f"vocab={vocab}, row_stride={row_stride}: need 0 < vocab <= row_stride")
+    return stride
+
+
 def _better(v1: Float32, i1: Int32, v2: Float32, i2: Int32) -> cutlass.Boolean:
     """(value desc, index asc) order: the argmax that returns the first index of the max."""
     return (v1 > v2) | ((v1 == v2) & (i1 < i2))
 
 
 @cute.jit
-def _block_argmax(v: Float32, i: Int32, sF: cute.Tensor, sI: cute.Tensor, nwarps: int):
-    """Block-wide (value desc, index asc) best; every thread gets the result."""
-    for off in cutlass.range_constexpr(4, -1, -1):
-        ov = cute.arch.shuffle_sync_bfly(v, offset=1 << off)
-        oi = cute.arch.shuffle_sync_bfly(i, offset=1 << off)
-        take = _better(ov, oi, v, i)
-        v = ov if take else v
-        i = oi if take else i
-    # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
-    wid = cute.arch.warp_idx()
-    if cute.arch.lane_idx() == 0:
-        sF[wid] = v
-        sI[wid] = i
-    cute.arch.sync_threads()
-    v = sF[0]
-    i = sI[0]
-    for w in cutlass.range_constexpr(1, nwarps):
-        ov = sF[w]
-        oi = sI[w]
-        take = _better(ov, oi, v, i)
-        v = ov if take else v
-        i = oi if take else i
-    cute.arch.sync_threads()  # sF / sI may be reused right after
+def _argmax_op(a: tuple, b: tuple) -> tuple:
+    """``block_reduce`` op of (value, index) pairs: keep b when it is better."""
+    take = _better(b[0], b[1], a[0], a[1])
+    v = b[0] if take else a[0]
+    i = b[1] if take else a[1]
     return v, i
+
+
+def _block_argmax(v: Float32, i: Int32, sF: cute.Tensor, sI: cute.Tensor, nwarps: int):
+    """Block-wide (value desc, index asc) best; every thread gets the result; sF / sI may be
+    reused right after."""
+    return block_reduce((v, i), _argmax_op, (sF, sI), nwarps)
+
+
+def _lse_op(a: tuple, b: tuple) -> tuple:
+    """``block_reduce`` op of online-softmax states (max, sum of exp(x - max))."""
+    nm = cute.arch.fmax(a[0], b[0])
+    return nm, a[1] * cute.math.exp(a[0] - nm) + b[1] * cute.math.exp(b[0] - nm)
 
 
 class Sampler:
     """One CTA per row; see the module docstring for the math and the tie rules."""
 
-    def __init__(self, vocab: int) -> None:
+    def __init__(self, vocab: int, row_stride: int | None = None) -> None:
         self.vocab = vocab
-        self.vec = 4 if vocab % 4 == 0 else 1
+        self.stride = _row_stride(vocab, row_stride)
+        self.vec = 4 if vocab % 4 == 0 and self.stride % 4 == 0 else 1
         self.nvec = vocab // self.vec
         self.threads = min(512, max(32, (self.nvec + 31) // 32 * 32))
         self.nwarps = self.threads // 32
@@ -123,7 +131,7 @@ class Sampler:
                  steps: cute.Pointer, tokens: cute.Pointer, num_rows: Int32,
                  stream: cuda.CUstream):
         mL = cute.make_tensor(logits, cute.make_layout((num_rows, self.nvec, self.vec),
-                                                       stride=(self.vocab, self.vec, 1)))
+                                                       stride=(self.stride, self.vec, 1)))
         rows = cute.make_layout(num_rows)
         self.kernel(mL, cute.make_tensor(temperature, rows), cute.make_tensor(top_k, rows),
                     cute.make_tensor(top_p, rows), cute.make_tensor(min_p, rows),
@@ -343,11 +351,12 @@ class Sampler:
 class LogProbs:
     """One CTA per row: logsumexp, the given token's logprob and rank, the top-n."""
 
-    def __init__(self, vocab: int, max_top_n: int) -> None:
+    def __init__(self, vocab: int, max_top_n: int, row_stride: int | None = None) -> None:
         self.vocab = vocab
+        self.stride = _row_stride(vocab, row_stride)
         self.kmax = max_top_n
         self.kmax_stride = max(max_top_n, 1)
-        self.vec = 4 if vocab % 4 == 0 else 1
+        self.vec = 4 if vocab % 4 == 0 and self.stride % 4 == 0 else 1
         self.nvec = vocab // self.vec
         self.threads = min(256, max(32, (self.nvec + 31) // 32 * 32))
         self.nwarps = self.threads // 32
@@ -357,7 +366,7 @@ class LogProbs:
                  token_rank: cute.Pointer, top_ids: cute.Pointer, top_logprobs: cute.Pointer,
                  num_rows: Int32, top_n: Int32, stream: cuda.CUstream):
         mL = cute.make_tensor(logits, cute.make_layout((num_rows, self.nvec, self.vec),
-                                                       stride=(self.vocab, self.vec, 1)))
+                                                       stride=(self.stride, self.vec, 1)))
         rows = cute.make_layout(num_rows)
         top = cute.make_layout((num_rows, self.kmax_stride), stride=(self.kmax_stride, 1))
         self.kernel(mL, cute.make_tensor(token_ids, rows), cute.make_tensor(token_logprob, rows),
@@ -388,25 +397,7 @@ class LogProbs:
                 m = vm
             for e in cutlass.range_constexpr(self.vec):
                 s = s + cute.math.exp(v[e] - m)
-        for off in cutlass.range_constexpr(4, -1, -1):
-            om = cute.arch.shuffle_sync_bfly(m, offset=1 << off)
-            os_ = cute.arch.shuffle_sync_bfly(s, offset=1 << off)
-            nm = cute.arch.fmax(m, om)
-            s = s * cute.math.exp(m - nm) + os_ * cute.math.exp(om - nm)
-            m = nm
-        # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
-        wid = cute.arch.warp_idx()
-        if cute.arch.lane_idx() == 0:
-            sF[wid] = m
-            sG[wid] = s
-        cute.arch.sync_threads()
-        m = sF[0]
-        s = sG[0]
-        for w in cutlass.range_constexpr(1, self.nwarps):
-            nm = cute.arch.fmax(m, sF[w])
-            s = s * cute.math.exp(m - nm) + sG[w] * cute.math.exp(sF[w] - nm)
-            m = nm
-        cute.arch.sync_threads()
+        m, s = block_reduce((m, s), _lse_op, (sF, sG), self.nwarps)
         lse = cute.math.log(s)  # relative to m, as numpy's log_softmax
 
         # pass 2: the token's logprob and rank; per-thread sorted top lists
@@ -437,16 +428,7 @@ class LogProbs:
                             rI[j] = bi if sw else ai
                             rV[j - 1] = a if sw else b
                             rI[j - 1] = ai if sw else bi
-        above = cute.arch.warp_reduction(above, lambda a, b: a + b)
-        # warp_idx() is a warp-wide shuffle: evaluate it with every lane active
-        wid = cute.arch.warp_idx()
-        if cute.arch.lane_idx() == 0:
-            sI[wid] = above
-        cute.arch.sync_threads()
-        total = sI[0]
-        for w in cutlass.range_constexpr(1, self.nwarps):
-            total = total + sI[w]
-        cute.arch.sync_threads()
+        (total,) = block_reduce((above,), add, (sI,), self.nwarps)
         if tidx == 0:
             mLp[r] = lp_tok
             mRank[r] = total + 1
@@ -467,50 +449,48 @@ class LogProbs:
 
 # ---------------------------------------------------------------------------------------------
 # Host side
+# logits: 16-byte aligned (vector loads); per-row arrays: their natural alignment
 
-_SIZE = {"f32": 4, "i32": 4, "u32": 4, "u64": 8}
-
-
-def _ptr(buf: Any, dtype: str, numel: int, name: str, align: int | None = None) -> cute.Pointer:
-    """Logits: 16-byte aligned (vector loads); per-row arrays: natural alignment."""
-    nbytes = getattr(buf, "nbytes", None)
-    need = numel * _SIZE[dtype]
-    if nbytes is not None and nbytes < need:
-        raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {need} B")
-    return common.gmem_ptr(dtype, common.addr(buf), align or _SIZE[dtype])
+ROW, LOGITS = ("num_rows",), ("num_rows", "stride")
+SAMPLER = Signature(
+    Ptr("logits", "f32", shape=LOGITS), Ptr("temperature", "f32", 4, ROW),
+    Ptr("top_k", "i32", 4, ROW), Ptr("top_p", "f32", 4, ROW), Ptr("min_p", "f32", 4, ROW),
+    Ptr("seeds", "u64", 8, ROW), Ptr("steps", "u32", 4, ROW), Ptr("tokens", "i32", 4, ROW),
+    Scalar("num_rows", Int32))
+LOGPROBS = Signature(
+    Ptr("logits", "f32", shape=LOGITS), Ptr("token_ids", "i32", 4, ROW),
+    Ptr("token_logprob", "f32", 4, ROW), Ptr("token_rank", "i32", 4, ROW),
+    Ptr("top_ids", "i32", 4, ("num_rows", "kmax")),
+    Ptr("top_logprobs", "f32", 4, ("num_rows", "kmax")),
+    Scalar("num_rows", Int32), Scalar("top_n", Int32))
 
 
 class SamplerLauncher:
     """``launcher(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens, num_rows,
-    stream)``: logits f32[S, V]; temperature f32[S]; top_k i32[S]; top_p f32[S]; min_p f32[S];
-    seeds u64[S]; steps u32[S] -> tokens i32[S]. logits 16-byte aligned; the per-row arrays need
-    their natural alignment only."""
+    stream)``: logits f32[S, row_stride] (columns [0, V) read); temperature f32[S]; top_k i32[S];
+    top_p f32[S]; min_p f32[S]; seeds u64[S]; steps u32[S] -> tokens i32[S] in [0, V). logits
+    16-byte aligned; the per-row arrays need their natural alignment only."""
 
-    def __init__(self, compiled: Any, vocab: int) -> None:
-        self.compiled, self.vocab = compiled, vocab
+    def __init__(self, kernel: common.Kernel) -> None:
+        self.kernel, self.vocab = kernel, kernel.op.vocab
 
     def __call__(self, logits: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any,
                  seeds: Any, steps: Any, tokens: Any, num_rows: int, stream: Any) -> None:
         s = int(num_rows)
         if s <= 0:
             return
-        self.compiled(_ptr(logits, "f32", s * self.vocab, "logits", 16),
-                      _ptr(temperature, "f32", s, "temperature"), _ptr(top_k, "i32", s, "top_k"),
-                      _ptr(top_p, "f32", s, "top_p"), _ptr(min_p, "f32", s, "min_p"),
-                      _ptr(seeds, "u64", s, "seeds"), _ptr(steps, "u32", s, "steps"),
-                      _ptr(tokens, "i32", s, "tokens"), Int32(s),
-                      getattr(stream, "handle", stream))
+        self.kernel(logits, temperature, top_k, top_p, min_p, seeds, steps, tokens, s, stream)
 
 
 class LogProbsLauncher:
     """``launcher(logits, token_ids, token_logprob, token_rank, top_ids, top_logprobs, num_rows,
-    top_n, stream)``: logits f32[R, V]; token_ids i32[R] -> token_logprob f32[R],
+    top_n, stream)``: logits f32[R, row_stride]; token_ids i32[R] -> token_logprob f32[R],
     token_rank i32[R], top_ids i32[R, max_top_n], top_logprobs f32[R, max_top_n] (row stride
     max_top_n, columns [:top_n] written; 0 <= top_n <= min(max_top_n, V); with top_n == 0 the
     top buffers are not touched)."""
 
-    def __init__(self, compiled: Any, vocab: int, max_top_n: int) -> None:
-        self.compiled, self.vocab, self.max_top_n = compiled, vocab, max_top_n
+    def __init__(self, kernel: common.Kernel) -> None:
+        self.kernel, self.vocab, self.max_top_n = kernel, kernel.op.vocab, kernel.op.kmax
 
     def __call__(self, logits: Any, token_ids: Any, token_logprob: Any, token_rank: Any,
                  top_ids: Any, top_logprobs: Any, num_rows: int, top_n: int,
@@ -521,36 +501,26 @@ class LogProbsLauncher:
                 f"top_n={n}: compiled for 0 <= top_n <= {min(self.max_top_n, self.vocab)}")
         if rows <= 0:
             return
-        pl = _ptr(token_logprob, "f32", rows, "token_logprob")
-        width = self.max_top_n
-        pi = _ptr(top_ids, "i32", rows * width, "top_ids") if n else _ptr(token_rank, "i32", 0, "")
-        pv = _ptr(top_logprobs, "f32", rows * width, "top_logprobs") if n else pl
-        self.compiled(_ptr(logits, "f32", rows * self.vocab, "logits", 16),
-                      _ptr(token_ids, "i32", rows, "token_ids"), pl,
-                      _ptr(token_rank, "i32", rows, "token_rank"), pi, pv, Int32(rows), Int32(n),
-                      getattr(stream, "handle", stream))
+        if not n:
+            top_ids, top_logprobs = Unused(token_rank), Unused(token_logprob)
+        self.kernel(logits, token_ids, token_logprob, token_rank, top_ids, top_logprobs, rows, n,
+                    stream)
 
 
-def compile_sampler(vocab: int) -> SamplerLauncher:
-    """Compile (once per vocab) the sampler."""
-
-    def build() -> SamplerLauncher:
-        f, i = common.fake_ptr("f32", 4), common.fake_ptr("i32", 4)
-        compiled = cute.compile(Sampler(vocab), common.fake_ptr("f32"), f, i, f, f,
-                                common.fake_ptr("u64", 8), common.fake_ptr("u32", 4), i, Int32(1),
-                                common.fake_stream())
-        return SamplerLauncher(compiled, vocab)
-
-    return common.cached_compile(("sampler", vocab), build)
+def compile_sampler(vocab: int, row_stride: int | None = None) -> SamplerLauncher:
+    """Compile (once per (vocab, row_stride)) the sampler over logits rows of ``row_stride``
+    (default vocab) floats, ``vocab`` of them real."""
+    stride = _row_stride(vocab, row_stride)
+    return common.cached_compile(
+        ("sampler", vocab, stride),
+        lambda: SamplerLauncher(SAMPLER.compile(Sampler(vocab, stride))))
 
 
-def compile_logprobs(vocab: int, max_top_n: int = 20) -> LogProbsLauncher:
-    """Compile (once per (vocab, max_top_n)) the logprobs kernel."""
-
-    def build() -> LogProbsLauncher:
-        f, i = common.fake_ptr("f32", 4), common.fake_ptr("i32", 4)
-        compiled = cute.compile(LogProbs(vocab, max_top_n), common.fake_ptr("f32"), i, f, i, i, f,
-                                Int32(1), Int32(1), common.fake_stream())
-        return LogProbsLauncher(compiled, vocab, max_top_n)
-
-    return common.cached_compile(("logprobs", vocab, max_top_n), build)
+def compile_logprobs(vocab: int, max_top_n: int = 20, *,
+                     row_stride: int | None = None) -> LogProbsLauncher:
+    """Compile (once per (vocab, max_top_n, row_stride)) the logprobs kernel (rows as
+    ``compile_sampler``)."""
+    stride = _row_stride(vocab, row_stride)
+    return common.cached_compile(
+        ("logprobs", vocab, max_top_n, stride),
+        lambda: LogProbsLauncher(LOGPROBS.compile(LogProbs(vocab, max_top_n, stride))))

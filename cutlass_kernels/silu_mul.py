@@ -17,6 +17,8 @@ import cutlass.cute as cute
 from cuda.bindings import driver as cuda
 from cutlass import BFloat16, Float32, Int32
 
+from cutlass_kernels._common import Ptr, Scalar, Signature
+
 VEC = 8
 
 
@@ -60,34 +62,28 @@ class SiluMul:
 # ---------------------------------------------------------------------------------------------
 # Host side
 
-
-def _ptr(buf: Any, numel: int, name: str) -> cute.Pointer:
-    nbytes = getattr(buf, "nbytes", None)
-    if nbytes is not None and nbytes < 2 * numel:
-        raise common.KernelArgError(f"{name}: buffer of {nbytes} B, kernel touches {2 * numel} B")
-    return common.gmem_ptr("bf16", common.addr(buf))
+SIGNATURE = Signature(Ptr("x", "bf16", shape=("num_tokens", 2, "inter")),
+                      Ptr("out", "bf16", shape=("num_tokens", "inter")),
+                      Scalar("num_tokens", Int32))
 
 
 class SiluMulLauncher:
     """``launcher(x, out, num_tokens, stream)``: x bf16[T, 2I] -> out bf16[T, I]."""
 
-    def __init__(self, compiled: Any, intermediate: int) -> None:
-        self.compiled, self.inter = compiled, intermediate
+    def __init__(self, kernel: common.Kernel) -> None:
+        self.kernel, self.inter = kernel, kernel.op.inter
 
     def __call__(self, x: Any, out: Any, num_tokens: int, stream: Any) -> None:
         t = int(num_tokens)
         if t <= 0:
             return
-        self.compiled(_ptr(x, 2 * t * self.inter, "x"), _ptr(out, t * self.inter, "out"),
-                      Int32(t), getattr(stream, "handle", stream))
+        self.kernel(x, out, t, stream)
 
 
 def compile_silu_mul(intermediate: int) -> SiluMulLauncher:
     """Compile (once per ``intermediate``) the SiLU-and-mul kernel."""
 
     def build() -> SiluMulLauncher:
-        p = common.fake_ptr("bf16")
-        compiled = cute.compile(SiluMul(intermediate), p, p, Int32(1), common.fake_stream())
-        return SiluMulLauncher(compiled, intermediate)
+        return SiluMulLauncher(SIGNATURE.compile(SiluMul(intermediate)))
 
     return common.cached_compile(("silu_mul", intermediate), build)

@@ -11,6 +11,10 @@ Each variable has a function here; the rest of the engine calls the function, ne
 - ``CUTEINFER_PDL``: ``1`` launches the decode GEMMs with programmatic dependent launch (each
   may prefetch its weight while the previous kernel finishes). Default ``0``: on the H200 it
   bought ~1% of graph replay time and cost ~40 us of host time per eager launch (docs/perf.md).
+- ``CUTEINFER_KERNEL_CACHE``: ``0`` turns the on-disk kernel cache off (default ``1``: compiled
+  kernels are kept under ``<cache root>/kernels``, cutlass_kernels/_cache.py).
+- ``CUTEINFER_COMPILE_WORKERS``: processes that compile missing kernels in parallel (default: one
+  per CPU core, at most one per kernel; ``1`` compiles in the calling process).
 """
 
 from __future__ import annotations
@@ -49,3 +53,32 @@ def pdl_enabled() -> bool:
     if value not in ("0", "1", "true", "false", "on", "off", ""):
         raise ValueError(f"CUTEINFER_PDL must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on")
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value == "":
+        return default
+    if value not in ("0", "1", "true", "false", "on", "off"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "on")
+
+
+def kernel_cache_enabled() -> bool:
+    """Compiled kernels saved to and loaded from disk (``CUTEINFER_KERNEL_CACHE``, default on)."""
+    return _flag("CUTEINFER_KERNEL_CACHE", True)
+
+
+def kernel_cache_dir() -> Path:
+    """Where the kernel cache keeps its entries (not created here)."""
+    return cache_dir() / "kernels"
+
+
+def compile_workers() -> int | None:
+    """``CUTEINFER_COMPILE_WORKERS``: a positive count, or None (unset: one per CPU core)."""
+    value = os.environ.get("CUTEINFER_COMPILE_WORKERS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"CUTEINFER_COMPILE_WORKERS must be an integer >= 1, got {value!r}")
+    return int(value)

@@ -181,6 +181,22 @@ def test_launchers_reject_bad_arguments():
     norm(16, None, 16, 16, 0, 1e-6, None)
 
 
+def test_signature_checks_name_the_argument():
+    from cutlass_kernels._common import KernelArgError, Ptr, Signature
+    from cutlass_kernels.rmsnorm import RMSNorm, compile_rmsnorm
+    from cutlass_kernels.sampling import compile_sampler
+
+    norm = compile_rmsnorm(64, True)
+    with pytest.raises(KernelArgError, match="weight: buffer of 100 B, kernel touches 128 B"):
+        norm(_Buf(256, 512), _Buf(768, 512), _Buf(1280, 100), _Buf(1536, 512), 4, 1e-6, None)
+    with pytest.raises(KernelArgError, match="residual: no buffer"):
+        norm.kernel(16, None, 16, 16, 4, 1e-6, None)
+    with pytest.raises(KernelArgError, match="seeds: device address 0xc is not 8-byte aligned"):
+        compile_sampler(1000)(16, 4, 4, 4, 4, 12, 4, 4, 2, None)
+    with pytest.raises(TypeError, match="Signature"):  # declared names must be the kernel's
+        Signature(Ptr("x", "bf16")).compile(RMSNorm(64, False))
+
+
 # ---- the sampler's algorithm, mirrored in numpy, against engine.sampling ----------------------
 
 

@@ -12,6 +12,7 @@ copy rate measured on the H200.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -41,11 +42,12 @@ def host_launch_us(ex, step, reps: int = 5) -> dict:
             calls[name] = calls.get(name, 0) + 1
         return timed
 
-    ex.kernels = {name: wrap(name, fn) for name, fn in kernels.items()}
+    names = [f.name for f in dataclasses.fields(kernels)]
+    ex.kernels = dataclasses.replace(kernels, **{n: wrap(n, getattr(kernels, n)) for n in names})
     try:
         for _ in range(reps):
             ex.stream.synchronize()
-            for name in kernels:
+            for name in names:
                 spent.setdefault(name, []).append(0.0)
             calls.clear()
             step()

@@ -19,7 +19,7 @@ fi
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried along (gguf for the default model)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
-if [ "$(ls /tmp/smol.part.* 2>/dev/null | wc -l)" = 3 ]; then  # all three parts arrived
+if [ "$(ls /tmp/smol.part.* 2>/dev/null | wc -l)" = "${SMOL_PARTS:-4}" ]; then  # all parts arrived
   cat /tmp/smol.part.* > /tmp/smol.gguf
 fi
 [ -f /tmp/smol.gguf ] && export CUTEINFER_SMOLLM2_GGUF=/tmp/smol.gguf
@@ -37,8 +37,9 @@ declare -A G=(
   [backend]="tests/gpu/test_cuda_backend.py tests/gpu/test_smoke.py"
   [graphs]="tests/gpu/test_graphs.py"
   [gate]="tests/gpu/test_golden_gate.py"
+  [odd]="tests/gpu/test_odd_shapes.py"
 )
-TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate"}
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd"}
 for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \

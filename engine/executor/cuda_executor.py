@@ -7,32 +7,36 @@ for the sampled (and prompt-logprob) rows, sample on the GPU, download token ids
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
-from engine import envs
 from engine.config import EngineConfig
 from engine.cuda.driver import Arena, Context, Stream
 from engine.executor.base import Executor, ExecutorError
 from engine.executor.cuda_model import (
     BF16,
     DeviceWeights,
+    Kernels,
     Sizes,
     StepBuffers,
     kv_bytes_per_page,
     plan_num_pages,
 )
+from engine.executor.cuda_shapes import check_supported
 from engine.model.loader import Checkpoint
 from engine.step import Logprobs, StepBatch, StepOutput
 from graphs.buckets import bucket_for, bucket_sizes
 from graphs.runner import DecodePlan, GraphRunner
 
+log = logging.getLogger(__name__)
+
 
 class CudaExecutor(Executor):
     def __init__(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool = True) -> None:
+        check_supported(ckpt.config, config.block_size)  # before any GPU work; widths are padded
         self.ctx = Context.get()
         self.stream = Stream()
         mc = self.mc = ckpt.config
@@ -41,7 +45,7 @@ class CudaExecutor(Executor):
         self.sizes = s = Sizes.of(mc, config)
         self.scale = mc.head_dim ** -0.5
         t0 = time.perf_counter()
-        self.kernels = self._compile(mc, s)
+        self.kernels = Kernels.compile(mc, show=verbose)
         self.compile_s = time.perf_counter() - t0
         free, total = self.ctx.mem_info()
         ws = self._workspace_bytes()
@@ -56,9 +60,9 @@ class CudaExecutor(Executor):
                         for i in range(mc.num_hidden_layers)]
         self.kv_bytes = self.num_pages * kv_bytes_per_page(mc, self.page_size)
         if verbose:
-            print(f"[cuteinfer] cuda: {self.ctx.name}, kernels compiled in {self.compile_s:.1f}s,"
-                  f" arena {arena_bytes / 2**30:.2f} GiB, KV {self.num_pages} pages "
-                  f"({self.kv_bytes / 2**30:.2f} GiB)", file=sys.stderr)
+            log.info("cuda: %s, kernels compiled in %.1fs, arena %.2f GiB, KV %d pages "
+                     "(%.2f GiB)", self.ctx.name, self.compile_s, arena_bytes / 2**30,
+                     self.num_pages, self.kv_bytes / 2**30)
         self.graphs: GraphRunner | None = None  # decode steps replay per-bucket graphs
         self.graph_stats: dict[str, float] = {}
         if not config.enforce_eager:
@@ -67,38 +71,6 @@ class CudaExecutor(Executor):
                 self.graph_stats = self.graphs.capture_all(show=verbose)
 
     # -- set-up ----------------------------------------------------------------------------------
-    @staticmethod
-    def _compile(mc, s: Sizes) -> dict:
-        from cutlass_kernels.decode_attention import compile_decode_attention
-        from cutlass_kernels.embedding import compile_embedding
-        from cutlass_kernels.gemm import compile_gemm
-        from cutlass_kernels.prefill_attention import compile_prefill_attention
-        from cutlass_kernels.rmsnorm import compile_rmsnorm
-        from cutlass_kernels.rope_kv import compile_rope_kv
-        from cutlass_kernels.sampling import compile_logprobs, compile_sampler
-        from cutlass_kernels.silu_mul import compile_silu_mul
-
-        h, nq, nkv, hd = mc.hidden_size, mc.num_attention_heads, mc.num_key_value_heads, \
-            mc.head_dim
-        pdl = envs.pdl_enabled()
-        k = {
-            "embed": compile_embedding(h),
-            "norm": compile_rmsnorm(h, False),
-            "add_norm": compile_rmsnorm(h, True),
-            "rope": compile_rope_kv(nq, nkv, hd, 16, mc.qk_norm),
-            "qkv": compile_gemm(mc.qkv_size, h, pdl=pdl),
-            "o": compile_gemm(h, mc.q_size, pdl=pdl),
-            "gate_up": compile_gemm(2 * mc.intermediate_size, h, pdl=pdl),
-            "down": compile_gemm(h, mc.intermediate_size, pdl=pdl),
-            "lm_head": compile_gemm(mc.vocab_size, h, "f32", pdl=pdl),
-            "silu": compile_silu_mul(mc.intermediate_size),
-            "decode": compile_decode_attention(nq, nkv, hd, 16),
-            "prefill": compile_prefill_attention(nq, nkv, hd, 16),
-            "sample": compile_sampler(mc.vocab_size),
-            "logprobs": compile_logprobs(mc.vocab_size),
-        }
-        return k
-
     def _num_splits(self, batch: int, max_context: int) -> int:
         from cutlass_kernels.decode_attention import choose_num_splits
 
@@ -179,37 +151,37 @@ class CudaExecutor(Executor):
         k, buf, w, st, mc = self.kernels, self.buf, self.weights, self.stream, self.mc
         t, eps = num_tokens, mc.rms_norm_eps
         pps = self.sizes.pages_per_seq
-        k["embed"](buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
+        k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
         for li, lw in enumerate(w.layers):
             if li == 0:
-                k["norm"](buf.resid, None, lw["in_norm"], buf.h, t, eps, st)
+                k.norm(buf.resid, None, lw["in_norm"], buf.h, t, eps, st)
             else:
-                k["add_norm"](buf.delta, buf.resid, lw["in_norm"], buf.h, t, eps, st)
-            k["qkv"](buf.h, lw["qkv"], buf.qkv, t, st)
-            k["rope"](buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"),
-                      lw.get("k_norm"), buf.cos_sin, buf.q, self.k_cache[li], self.v_cache[li],
-                      t, self.sizes.max_pos, eps, st)
+                k.add_norm(buf.delta, buf.resid, lw["in_norm"], buf.h, t, eps, st)
+            k.qkv(buf.h, lw["qkv"], buf.qkv, t, st)
+            k.rope(buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"), lw.get("k_norm"),
+                   buf.cos_sin, buf.q, self.k_cache[li], self.v_cache[li], t, self.sizes.max_pos,
+                   eps, st)
             if decode:
-                k["decode"](buf.q, self.k_cache[li], self.v_cache[li], buf.page_indices,
-                            buf.context_lens, buf.attn, buf.workspace, num_seqs, pps,
-                            num_splits, self.scale, st.handle)
+                k.decode(buf.q, self.k_cache[li], self.v_cache[li], buf.page_indices,
+                         buf.context_lens, buf.attn, buf.workspace, num_seqs, pps, num_splits,
+                         self.scale, st)
             else:
-                k["prefill"](buf.q, self.k_cache[li], self.v_cache[li], buf.cu_seqlens,
-                             buf.context_lens, buf.page_indices, buf.attn, t, num_seqs, pps,
-                             max_q_len, self.scale, st.handle)
-            k["o"](buf.attn, lw["o"], buf.delta, t, st)
-            k["add_norm"](buf.delta, buf.resid, lw["post_norm"], buf.h, t, eps, st)
-            k["gate_up"](buf.h, lw["gate_up"], buf.gate_up, t, st)
-            k["silu"](buf.gate_up, buf.act, t, st)
-            k["down"](buf.act, lw["down"], buf.delta, t, st)
-        k["add_norm"](buf.delta, buf.resid, w.norm, buf.h, t, eps, st)
+                k.prefill(buf.q, self.k_cache[li], self.v_cache[li], buf.cu_seqlens,
+                          buf.context_lens, buf.page_indices, buf.attn, t, num_seqs, pps,
+                          max_q_len, self.scale, st)
+            k.o(buf.attn, lw["o"], buf.delta, t, st)
+            k.add_norm(buf.delta, buf.resid, lw["post_norm"], buf.h, t, eps, st)
+            k.gate_up(buf.h, lw["gate_up"], buf.gate_up, t, st)
+            k.silu(buf.gate_up, buf.act, t, st)
+            k.down(buf.act, lw["down"], buf.delta, t, st)
+        k.add_norm(buf.delta, buf.resid, w.norm, buf.h, t, eps, st)
 
     def logits(self, num_tokens: int, row_offset: int, n: int) -> None:
         """Logits of rows ``logit_idx[row_offset:row_offset+n]`` into ``logits[:n]``."""
         k, buf, st = self.kernels, self.buf, self.stream
         idx = buf.logit_idx.ptr + 4 * row_offset
-        k["embed"](idx, buf.h, buf.rows, num_tokens, n, st)
-        k["lm_head"](buf.rows, self.weights.lm_head, buf.logits, n, st)
+        k.gather_rows(idx, buf.h, buf.rows, num_tokens, n, st)
+        k.lm_head(buf.rows, self.weights.lm_head, buf.logits, n, st)
 
     def decode_body(self, batch: int, num_splits: int) -> None:
         """A decode step of ``batch`` rows over the static buffers: forward, logits of every
@@ -217,8 +189,8 @@ class CudaExecutor(Executor):
         self.forward(batch, batch, True, 1, num_splits)
         self.logits(batch, 0, batch)
         b = self.buf
-        self.kernels["sample"](b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds,
-                               b.steps, b.sampled, batch, self.stream)
+        self.kernels.sample(b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds,
+                            b.steps, b.sampled, batch, self.stream)
 
     def decode_splits(self, batch: int) -> int:
         """Split-KV factor of a decode step: fixed per bucket (from max_model_len), so an eager
@@ -279,8 +251,8 @@ class CudaExecutor(Executor):
             if s_rows:
                 self.upload_sampling(b)
                 self.logits(b.num_tokens, 0, s_rows)
-                self.kernels["sample"](buf.logits, buf.temperature, buf.top_k, buf.top_p,
-                                       buf.min_p, buf.seeds, buf.steps, buf.sampled, s_rows, st)
+                self.kernels.sample(buf.logits, buf.temperature, buf.top_k, buf.top_p,
+                                    buf.min_p, buf.seeds, buf.steps, buf.sampled, s_rows, st)
                 tokens = self._sampled(b, s_rows)
         lp = None
         if s_rows and (b.num_logprobs >= 0).any():
@@ -299,8 +271,8 @@ class CudaExecutor(Executor):
     def _logprobs(self, n: int, targets: np.ndarray, top_n: int) -> Logprobs:
         st, buf = self.stream, self.buf
         buf.targets.upload(targets.astype(np.int32), st)
-        self.kernels["logprobs"](buf.logits, buf.targets, buf.lp_token, buf.lp_rank,
-                                 buf.lp_top_ids, buf.lp_top, n, top_n, st)
+        self.kernels.logprobs(buf.logits, buf.targets, buf.lp_token, buf.lp_rank,
+                              buf.lp_top_ids, buf.lp_top, n, top_n, st)
         tok = buf.lp_token.download(np.empty(n, np.float32), st)
         rank = buf.lp_rank.download(np.empty(n, np.int32), st)
         ids = buf.lp_top_ids.download(np.empty((n, 20), np.int32), st)

@@ -1,4 +1,5 @@
-"""The CUDA model: weights and KV pages in one device arena, and the forward as kernel launches.
+"""The CUDA model: weights and KV pages in one device arena, the compiled kernels, and the
+static buffers the forward's kernel launches read and write.
 
 Memory plan (decided once at start-up, ``plan_memory``): weights, then every activation and
 static step buffer sized for the worst case (``max_num_batched_tokens`` tokens, ``max_num_seqs``
@@ -6,21 +7,38 @@ sequences, page-index rows of ``ceil(max_model_len / page_size)``), then the KV 
 ``gpu_memory_utilization`` leaves (or ``num_gpu_blocks_override``).
 
 Residual stream as vLLM and Hugging Face keep it: bf16, added in the fused RMSNorm kernel.
+
+Widths the GEMM tiles do not take (a vocabulary of 32001, an intermediate size of 416, a hidden
+size of 300) are padded with zeros at load, exactly: the weights, buffers and kernels here are at
+the ``Padded`` widths (cuda_shapes.py), which for an aligned model are its own.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ml_dtypes
 import numpy as np
 
+from engine import envs
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda.driver import Arena, CudaError, DeviceBuffer, Stream
+from engine.executor.cuda_shapes import Padded, device_weight_shapes, pad_to
 from engine.model.loader import Checkpoint
 from engine.model.reference import cos_sin_table
-from engine.progress import Progress
+from engine.progress import progress
+
+if TYPE_CHECKING:
+    from cutlass_kernels.decode_attention import DecodeAttentionLauncher
+    from cutlass_kernels.embedding import EmbeddingLauncher
+    from cutlass_kernels.gemm import GemmLauncher
+    from cutlass_kernels.prefill_attention import PrefillAttentionLauncher
+    from cutlass_kernels.rmsnorm import RMSNormLauncher
+    from cutlass_kernels.rope_kv import RopeKVLauncher
+    from cutlass_kernels.sampling import LogProbsLauncher, SamplerLauncher
+    from cutlass_kernels.silu_mul import SiluMulLauncher
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MAX_LOGIT_ROWS = 256  # logits are computed in chunks of at most this many rows
@@ -78,7 +96,8 @@ class _NoStream:
 
 
 def weight_bytes(mc: ModelConfig) -> int:
-    return 2 * mc.num_parameters
+    """Bytes of the device weights: 2 x num_parameters, plus the padding (``Padded``)."""
+    return 2 * sum(math.prod(shape) for _, shape in device_weight_shapes(mc))
 
 
 def kv_bytes_per_page(mc: ModelConfig, page_size: int) -> int:
@@ -87,11 +106,9 @@ def kv_bytes_per_page(mc: ModelConfig, page_size: int) -> int:
 
 def fixed_bytes(mc: ModelConfig, s: Sizes, workspace: int) -> int:
     """Weights plus every activation and step buffer, exactly as the arena will lay them out."""
-    from engine.model.spec import expected_tensors
-
     arena = CountingArena()
-    for spec in expected_tensors(mc).values():  # fused QKV / gate_up take the same bytes
-        arena.alloc(spec.shape, BF16)
+    for _, shape in device_weight_shapes(mc):
+        arena.alloc(shape, BF16)
     StepBuffers(mc, s, arena, workspace, _NoStream())  # type: ignore[arg-type]
     return arena.used + 2 * arena.ALIGN * (mc.num_hidden_layers + 1)
 
@@ -119,35 +136,112 @@ def plan_num_pages(mc: ModelConfig, ec: EngineConfig, free: int, total: int,
     return n, fixed + kv
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """Every kernel the forward, logits and sampling launch, compiled for one model's shapes."""
+
+    embed: EmbeddingLauncher  # token ids -> rows of the embedding matrix
+    gather_rows: EmbeddingLauncher  # logit_idx -> rows of the final hidden states
+    norm: RMSNormLauncher  # layer 0's input norm (no residual yet)
+    add_norm: RMSNormLauncher  # residual += delta, then norm
+    rope: RopeKVLauncher  # q/k norm + RoPE + KV-cache write
+    qkv: GemmLauncher
+    o: GemmLauncher
+    gate_up: GemmLauncher
+    down: GemmLauncher
+    lm_head: GemmLauncher  # fp32 logits
+    silu: SiluMulLauncher
+    decode: DecodeAttentionLauncher
+    prefill: PrefillAttentionLauncher
+    sample: SamplerLauncher
+    logprobs: LogProbsLauncher
+
+    @classmethod
+    def compile(cls, mc: ModelConfig, show: bool = True, workers: int | None = None) -> Kernels:
+        """Compile every kernel, or load it from the kernel cache on disk; pages of 16 tokens.
+        Kernels missing from the cache compile in up to ``workers`` processes at once
+        (cutlass_kernels/_parallel.py ``compile_all``); ``show``: a progress bar on a terminal."""
+        from cutlass_kernels._parallel import compile_all
+        from cutlass_kernels.decode_attention import compile_decode_attention
+        from cutlass_kernels.embedding import compile_embedding
+        from cutlass_kernels.gemm import compile_gemm
+        from cutlass_kernels.prefill_attention import compile_prefill_attention
+        from cutlass_kernels.rmsnorm import compile_rmsnorm
+        from cutlass_kernels.rope_kv import compile_rope_kv
+        from cutlass_kernels.sampling import compile_logprobs, compile_sampler
+        from cutlass_kernels.silu_mul import compile_silu_mul
+
+        pad = Padded.of(mc)  # widths padded to the GEMM tiles; an aligned model's own widths
+        h, nq, nkv, hd = (pad.hidden, mc.num_attention_heads, mc.num_key_value_heads,
+                          mc.head_dim)
+        v, inter = mc.vocab_size, pad.intermediate
+        pdl = {"pdl": envs.pdl_enabled()}
+        # field -> (compile function, args, kwargs); the slowest first: workers take them in order
+        jobs = {
+            "prefill": (compile_prefill_attention, (nq, nkv, hd, 16), {}),
+            "lm_head": (compile_gemm, (pad.vocab, h, "f32"), pdl),  # fp32 logits
+            "qkv": (compile_gemm, (mc.qkv_size, h), pdl),
+            "o": (compile_gemm, (h, mc.q_size), pdl),
+            "gate_up": (compile_gemm, (2 * inter, h), pdl),
+            "down": (compile_gemm, (h, inter), pdl),
+            "decode": (compile_decode_attention, (nq, nkv, hd, 16), {}),
+            "sample": (compile_sampler, (v, pad.vocab), {}),  # reads the first v of pad.vocab
+            "logprobs": (compile_logprobs, (v,), {"row_stride": pad.vocab}),
+            "rope": (compile_rope_kv, (nq, nkv, hd, 16, mc.qk_norm), {}),
+            "embed": (compile_embedding, (h,), {}),
+            # bf16 rows of width h too: the compile cache hands back the embed kernel itself
+            "gather_rows": (compile_embedding, (h,), {}),
+            "norm": (compile_rmsnorm, (h, False, mc.hidden_size), {}),  # mean over the real h
+            "add_norm": (compile_rmsnorm, (h, True, mc.hidden_size), {}),
+            "silu": (compile_silu_mul, (inter,), {}),
+        }
+        with progress(len(jobs), "compiling kernels", enable=show) as bar:
+            return cls(**compile_all(jobs, lambda _name: bar.update(1), workers))
+
+
 class DeviceWeights:
-    """Weights in the arena, fused as the kernels expect (QKV rows; gate then up rows)."""
+    """Weights in the arena, fused as the kernels expect (QKV rows; gate then up rows), padded
+    with zeros to the kernels' widths (``Padded``; shapes: ``device_weight_shapes``)."""
 
     def __init__(self, ckpt: Checkpoint, arena: Arena, stream: Stream, show: bool) -> None:
         mc = ckpt.config
         self.config = mc
+        p = self.padded = Padded.of(mc)
+        shapes = iter(device_weight_shapes(mc))
 
         def put(a: np.ndarray, name: str) -> DeviceBuffer:
-            a = np.ascontiguousarray(a, dtype=BF16)
+            want, shape = next(shapes)
+            assert want == name, (want, name)  # device_weight_shapes lists them in this order
+            a = pad_to(np.ascontiguousarray(a, dtype=BF16), shape)
             buf = arena.alloc(a.shape, BF16, name)
             buf.upload(a, stream)
             stream.synchronize()  # the host array may be a temporary
             return buf
 
-        with Progress(weight_bytes(mc), "uploading weights", " GB", enabled=show,
-                      scale=1e9) as bar:
+        def gate_up(i: int) -> np.ndarray:
+            if p.intermediate == mc.intermediate_size:
+                return ckpt.gate_up_weight(i)
+            half = (p.intermediate, mc.hidden_size)  # each half padded: up starts at row I_pad
+            return np.concatenate([pad_to(ckpt.layer(i, f"mlp.{n}_proj.weight"), half)
+                                   for n in ("gate", "up")])
+
+        with progress(weight_bytes(mc), "uploading weights", enable=show, unit="B",
+                      unit_scale=True) as bar:
             self.embed = put(ckpt["model.embed_tokens.weight"], "embed")
-            bar.update(self.embed.nbytes)
             self.lm_head = (self.embed if mc.tie_word_embeddings
                             else put(ckpt["lm_head.weight"], "lm_head"))
             self.norm = put(ckpt["model.norm.weight"], "norm")
+            bar.update(self.embed.nbytes + self.norm.nbytes
+                       + (0 if mc.tie_word_embeddings else self.lm_head.nbytes))
             self.layers: list[dict[str, DeviceBuffer]] = []
             for i in range(mc.num_hidden_layers):
                 lw = {
                     "in_norm": put(ckpt.layer(i, "input_layernorm.weight"), "in_norm"),
-                    "post_norm": put(ckpt.layer(i, "post_attention_layernorm.weight"), "post"),
+                    "post_norm": put(ckpt.layer(i, "post_attention_layernorm.weight"),
+                                     "post_norm"),
                     "qkv": put(ckpt.qkv_weight(i), "qkv"),
                     "o": put(ckpt.layer(i, "self_attn.o_proj.weight"), "o"),
-                    "gate_up": put(ckpt.gate_up_weight(i), "gate_up"),
+                    "gate_up": put(gate_up(i), "gate_up"),
                     "down": put(ckpt.layer(i, "mlp.down_proj.weight"), "down"),
                 }
                 if mc.qk_norm:
@@ -162,7 +256,8 @@ class StepBuffers:
 
     def __init__(self, mc: ModelConfig, s: Sizes, arena: Arena, workspace: int,
                  stream: Stream) -> None:
-        t, b, h = s.t_max, s.b_max, mc.hidden_size
+        p = Padded.of(mc)
+        t, b, h = s.t_max, s.b_max, p.hidden
         a = arena.alloc
         # inputs (uploaded per step)
         self.input_ids = a(t, np.int32, "input_ids")
@@ -193,12 +288,12 @@ class StepBuffers:
         self.qkv = a((t, mc.qkv_size), BF16, "qkv")
         self.q = a((t, mc.q_size), BF16, "q")
         self.attn = a((t, mc.q_size), BF16, "attn")
-        self.gate_up = a((t, 2 * mc.intermediate_size), BF16, "gate_up")
-        self.act = a((t, mc.intermediate_size), BF16, "act")
+        self.gate_up = a((t, 2 * p.intermediate), BF16, "gate_up")
+        self.act = a((t, p.intermediate), BF16, "act")
         self.rows = a((r, h), BF16, "rows")
-        self.logits = a((r, mc.vocab_size), np.float32, "logits")
+        self.logits = a((r, p.vocab), np.float32, "logits")  # columns past vocab_size: unread
         self.workspace = a(max(workspace // 4, 1), np.float32, "attn_workspace")
-        cs = cos_sin_table(s.max_pos, mc.head_dim, mc.rope_theta)
+        cs = cos_sin_table(s.max_pos, mc.head_dim, mc.rope_theta, mc.rope_scaling)
         self.cos_sin = a(cs.shape, np.float32, "cos_sin")
         self.cos_sin.upload(cs, stream)
         stream.synchronize()
