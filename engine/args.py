@@ -27,6 +27,9 @@ from engine.executor.registry import AUTO, BACKEND_CHOICES, BACKENDS, check_back
 from engine.jsonfile import is_int, is_number
 from engine.kv.block_manager import DUPLICATE_POLICIES
 
+# --generation-config: where requests' default sampling parameters come from (vLLM's values;
+# vLLM also takes a directory, which cuteinfer does not)
+GENERATION_CONFIGS = ("auto", "vllm")
 # long_prefill_token_threshold by default, per backend: on numpy a 2048-token chunk of the
 # embedded model takes 20-35 s on 2 cores, so one long prompt would hold every other request
 # back until its prefill is done; on cuda the whole budget is one fast step (no cap).
@@ -43,8 +46,11 @@ class EngineArgs:
     """Engine options, vLLM's names. See the module docstring."""
 
     model: str = _option(
-        "", "Path of the Hugging Face checkpoint directory to use (config.json, safetensors, "
-        "tokenizer). Empty: the embedded default, SmolLM2-135M-Instruct (fetched once).")
+        "", "The model to use: a Hugging Face checkpoint directory (config.json, safetensors, "
+        "tokenizer), a hub id such as Qwen/Qwen3-0.6B (from the Hugging Face cache, "
+        "downloaded when the hub is reachable; HF_HOME and HF_HUB_OFFLINE apply) or a Llama / "
+        "Qwen3 .gguf file (converted once into the cache). Empty: the embedded default, "
+        "SmolLM2-135M-Instruct (fetched once).")
     backend: str = _option(
         AUTO, "Where the model runs: cuda (CuTe DSL kernels and CUDA graphs on a Hopper GPU), "
         "numpy (the CPU reference) or auto (cuda when a Hopper GPU is usable, else numpy).",
@@ -79,6 +85,11 @@ class EngineArgs:
     seed: int = _option(
         0, "Random seed for reproducibility: requests without a seed of their own draw theirs "
         "from it.")
+    generation_config: str = _option(
+        "auto", "Where the default sampling parameters come from. auto: the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, as vLLM applies them; "
+        "fields a request sets override them). vllm: the built-in defaults, the file is "
+        "ignored.", choices=GENERATION_CONFIGS)
     duplicate_policy: str = _option(
         "allow", "Prefix cache: a request completes a page whose tokens are already cached on "
         "another page. allow keeps both; reject swaps the cached page in and frees the new one.",
@@ -148,7 +159,9 @@ class EngineArgs:
                              backend: str | None = None) -> EngineConfig:
         """Check every option and resolve the ones the model and the backend decide:
         ``backend`` ("auto" becomes cuda or numpy; or pass the concrete backend already chosen),
-        ``max_model_len`` (the model's max_position_embeddings by default, never above it) and
+        ``max_model_len`` (by default the context the model's RoPE covers: its
+        max_position_embeddings, stretched by linear, dynamic and yarn scaling as vLLM does;
+        never above it) and
         ``long_prefill_token_threshold`` (per backend). Raises ConfigError naming the option."""
         self._check()
         if backend is None:
@@ -158,12 +171,17 @@ class EngineArgs:
             if self.backend not in (AUTO, backend):
                 raise ConfigError(f"backend {backend!r} was chosen for options that ask for "
                                   f"backend {self.backend!r}; pass one of them only")
-        max_pos = model_config.max_position_embeddings
+        max_pos = model_config.max_context_len
         mml = max_pos if self.max_model_len is None else self.max_model_len
         if mml > max_pos:
+            rs = model_config.rope_scaling
+            how = ("" if max_pos == model_config.max_position_embeddings else
+                   f", stretched to {max_pos} by {rs.rope_type} RoPE scaling of factor "
+                   f"{rs.factor}")
             raise ConfigError(
                 f"max_model_len {mml} exceeds the model's max_position_embeddings "
-                f"({max_pos}); lower max_model_len")
+                f"({model_config.max_position_embeddings}{how}); lower max_model_len")
+        model_config.sampling_defaults(self.generation_config)  # a bad default fails here
         lp = self.long_prefill_token_threshold
         if lp is None:
             lp = DEFAULT_LONG_PREFILL_TOKENS[backend]
@@ -199,6 +217,9 @@ class EngineArgs:
                               f"{self.gpu_memory_utilization}")
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ConfigError(f"generation_config {self.generation_config!r}: use "
+                              + " or ".join(repr(g) for g in GENERATION_CONFIGS))
         if self.duplicate_policy not in DUPLICATE_POLICIES:
             raise ConfigError(f"duplicate_policy {self.duplicate_policy!r}: use "
                               + " or ".join(repr(p) for p in DUPLICATE_POLICIES))

@@ -4,15 +4,20 @@ Errors are one line on stderr, ``cuteinfer: error: <message>``, never a tracebac
 ``--debug`` is given (before or after the subcommand). Exit status: 2 when the input is at fault
 (an option, the checkpoint, a request, a missing extra: the message says what to change), 1 for
 anything unexpected, 130 on Ctrl-C.
+
+Diagnostics (downloads, conversion, graph capture, the load report) go through ``logging``
+module loggers; ``main`` configures them once: the package's loggers at INFO (DEBUG with
+``--debug``), everything else at WARNING, one ``[cuteinfer] ...`` line each on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import traceback
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -22,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("engine.server.cli", "OpenAI-compatible HTTP server"),
     "profile-graphs": ("engine.commands.profile_graphs",
                        "capture and profile the decode CUDA graphs"),
+    "warmup": ("engine.commands.warmup",
+               "compile a model's kernels into the kernel cache (no GPU needed)"),
 }
 # Modules of the optional extras (pyproject.toml) -> (pip package, extra that installs it).
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -40,6 +47,8 @@ INPUT_ERRORS = (
 )
 # Expected failures of the environment (no network for the default model): exit 1, no hint.
 ENVIRONMENT_ERRORS = (("engine.model.fetch", "FetchError"),)
+# The package's loggers (modules log under their __name__; the server under "cuteinfer.server").
+PACKAGE_LOGGERS = ("engine", "graphs", "cutlass_kernels", "cuteinfer")
 
 
 class CLIError(Exception):
@@ -79,9 +88,47 @@ def _debug_requested(argv: list[str]) -> bool:
     return "--debug" in argv[: argv.index("--") if "--" in argv else len(argv)]
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (as logging's lastResort
+    does), so that a redirected or captured stderr gets the lines."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
+class _Formatter(logging.Formatter):
+    """``[cuteinfer] message`` at INFO; the level and the logger's name otherwise."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        head = ("[cuteinfer]" if record.levelno == logging.INFO
+                else f"[cuteinfer] {record.levelname} {record.name}:")
+        return f"{head} {super().format(record)}"
+
+
+def configure_logging(debug: bool = False, level: int | str = logging.INFO) -> None:
+    """One stderr handler on the root logger (added once, however often this runs); the
+    package's loggers at ``level`` (a name such as "warning" or a number), DEBUG with
+    ``debug``; other libraries' at WARNING."""
+    root = logging.getLogger()
+    if not any(isinstance(h, _Stderr) for h in root.handlers):
+        handler = _Stderr()
+        handler.setFormatter(_Formatter())
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
+    for name in PACKAGE_LOGGERS:
+        logging.getLogger(name).setLevel(
+            logging.DEBUG if debug else level.upper() if isinstance(level, str) else level)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(argv)
+    configure_logging(debug)
     # The command is the first word that is not an option: the top level takes no values.
     command = next((a for a in argv if not a.startswith("-")), None)
     try:

@@ -1,14 +1,15 @@
 """Before the core: a prompt (text, token ids, or chat messages) -> validated token ids.
 
 Every front end (``LLM``, ``cuteinfer generate``, the server) turns prompts into token ids here:
-the chat template is applied in one place, text is checked to be valid Unicode, and a request
-that cannot fit (the prompt alone, or the prompt plus its output budget in the KV pool) is
-refused with a ``RequestError`` that says what to change.
+the chat template is applied in one place, text is checked to be valid Unicode, the model's
+default sampling parameters fill what the request left unset, and a request that cannot fit (the
+prompt alone, or the prompt plus its output budget in the KV pool) is refused with a
+``RequestError`` that says what to change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,11 @@ def check_text(text: str, field: str) -> None:
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 block_size: int, num_pages: int, source: str) -> None:
+                 block_size: int, num_pages: int, source: str,
+                 sampling_defaults: Mapping[str, float | int] | None = None) -> None:
         self.tokenizer = tokenizer
+        # the model's (ModelConfig.sampling_defaults): for the fields a request leaves unset
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -81,6 +85,7 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling_params must be SamplingParams, got "
                                f"{type(params).__name__}")
+        params = params.with_defaults(self.sampling_defaults)
         ids, text = self.encode(prompt)
         vocab, mml = self.vocab_size, self.max_model_len
         if not ids:

@@ -7,23 +7,101 @@ tokens: vLLM's rule) cuts the text before it (after it with ``include_stop_str_i
 ends the request with ``finish_reason "stop"`` and the string as ``stop_reason`` -- aborting it in
 the core if it was still running (``finish``), overriding length/EOS if the same token ended it
 (as vLLM v1 does). While a request runs, the text that could start a stop string is held back.
+
+Detokenization is tokenizers' ``DecodeStream`` (vLLM's prefix/read offsets, in Rust): each new
+token is decoded after the tokens of the previous chunk, so a SentencePiece word boundary or a
+byte-level character split across tokens comes out right; text that ends in an incomplete
+character (U+FFFD) is held back until a later token completes it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+from tokenizers.decoders import DecodeStream
 
 from engine.outputs import CompletionOutput, RequestDelta, RequestOutput
 from engine.request import FinishReason, LogprobDict, Request
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
+
+_NO_TEXT = frozenset((FinishReason.ERROR, FinishReason.ABORT))  # (an enum tuple is slow)
 
 Finish = Callable[..., None]  # scheduler.finish(req, reason, stop_reason=..., error=...)
+PROMPT_CONTEXT = 5  # prompt tokens the first output token is decoded after (vLLM's 5)
+
+
+class Detokenizer:
+    """Text deltas of a growing token sequence: a ``DecodeStream`` primed with the prompt's last
+    tokens, plus ``finish()``, which flushes the held-back tokens (a truncated character) decoded
+    after the last chunk's tokens, so the concatenated deltas are the text of the whole output.
+
+    Where DecodeStream cannot go, vLLM's offsets rule (which the stream implements, and which
+    this engine keeps) is applied by hand until the next delta: the text of the chunk and the
+    new tokens, beyond as many characters as the chunk alone decodes to. That is (1) a chunk
+    whose text ends inside a character (a token-id prompt cut mid-character): the stream would
+    emit the chunk's own text too; (2) the stream's "Invalid prefix" error, when the chunk's
+    text is no prefix of the longer one (byte-fallback tokens merged into one invalid sequence
+    by Llama 2-style decoders). Both are rare; the rule gives what it always gave.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
+        self._tk = tokenizer.backend_tokenizer
+        self._skip = skip_special_tokens
+        self._held: list[int] = []  # tokens whose text is not out yet (DecodeStream's None)
+        self.text = ""
+        n = len(prompt_token_ids)
+        self._start(list(prompt_token_ids[max(n - PROMPT_CONTEXT, 0):]))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tk.decode(ids, skip_special_tokens=self._skip)
+
+    def _start(self, chunk: list[int]) -> None:
+        """Decode what follows ``chunk`` (the tokens of the last delta, or the prompt's tail)."""
+        self._chunk = chunk
+        self._stream: DecodeStream | None = (
+            None if self._decode(chunk).endswith("\ufffd")  # case (1)
+            else DecodeStream(ids=chunk, skip_special_tokens=self._skip))
+
+    def step(self, token_ids: int | Iterable[int]) -> str:
+        """Append token(s); return the new text that is now complete (possibly "")."""
+        ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self._held += ids
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._tk, ids)
+            except Exception:  # case (2): "Invalid prefix"; a bad id fails below as before
+                self._stream = None
+            else:
+                if delta is None:
+                    return ""
+                self._chunk, self._held = self._held, []
+                self.text += delta
+                return delta
+        head = self._decode(self._chunk)
+        text = self._decode(self._chunk + self._held)
+        if len(text) <= len(head) or text.endswith("\ufffd"):
+            return ""
+        delta = text[len(head):]
+        held, self._held = self._held, []
+        self._start(held)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Text still held back at the end of the sequence (e.g. a truncated character)."""
+        if not self._held:
+            return ""
+        chunk, self._chunk, self._held = self._chunk, self._held, []
+        delta = self._decode(chunk + self._chunk)[len(self._decode(chunk)):]
+        self.text += delta
+        return delta
 
 
 @dataclass
 class _State:
-    detok: IncrementalDetokenizer | None
+    detok: Detokenizer | None
     tokens: int = 0  # output tokens whose text is in req.text
     logprobs: int = 0  # logprob entries whose tokens are decoded
     prompt_logprobs: int = 0
@@ -40,8 +118,8 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids,
-                                           req.params.skip_special_tokens)
+            detok = Detokenizer(self.tokenizer, req.prompt_token_ids,
+                                req.params.skip_special_tokens)
         self._states[req.request_id] = _State(detok)
 
     def remove(self, request_id: str) -> None:
@@ -51,7 +129,7 @@ class OutputProcessor:
         """Text for the new tokens of ``changed``; an error fails that request only."""
         for req in changed:
             st = self._states.get(req.request_id)
-            if st is None or req.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+            if st is None or req.finish_reason in _NO_TEXT:
                 continue
             try:
                 if req.params.logprobs is not None or req.params.prompt_logprobs is not None:

@@ -1,9 +1,23 @@
-"""SamplingParams, as vLLM names them. Invalid values raise a typed error naming the field."""
+"""SamplingParams, as vLLM names them. Invalid values raise a typed error naming the field.
+
+Default sampling parameters (vLLM's ``--generation-config auto``): the model's
+generation_config.json may recommend temperature, top_p, top_k and min_p (Qwen3: 0.6, 0.95, 20).
+A request that leaves one of those unset (not passed, or None) gets the model's value, else the
+built-in one (``BUILTIN_DEFAULTS``); a request that sets it, even to the built-in value, keeps
+its own. ``SamplingParams.unset`` remembers which were left unset, so the defaults can be applied
+later, in the input processor (``with_defaults``): every front end goes through it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class SamplingParamsError(ValueError):
@@ -28,13 +42,32 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-8
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+# The default of the fields below that the model may give defaults for: "not set by the request".
+UNSET: Any = _Unset()
+BUILTIN_DEFAULTS: dict[str, float | int] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                            "min_p": 0.0}
+# generation_config.json fields vLLM takes defaults from that cuteinfer cannot apply, and the
+# value that means "no change" (no warning then)
+UNSUPPORTED_DEFAULTS: dict[str, float | None] = {"repetition_penalty": 1.0,
+                                                 "max_new_tokens": None}
+
+
 @dataclass
 class SamplingParams:
+    """Unset temperature / top_k / top_p / min_p (the default, or None) become the model's
+    defaults or ``BUILTIN_DEFAULTS`` (listed in ``unset``); after construction every field
+    holds a concrete value."""
+
     max_tokens: int | None = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 (or -1) = off
-    top_p: float = 1.0
-    min_p: float = 0.0
+    temperature: float = UNSET  # 0 = greedy; 1.0 unless set or defaulted
+    top_k: int = UNSET  # 0 (or -1) = off
+    top_p: float = UNSET  # 1.0 = off
+    min_p: float = UNSET  # 0.0 = off
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -45,8 +78,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     stop_strs: list[str] = field(init=False, default_factory=list)
+    unset: frozenset[str] = field(init=False, default=frozenset(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        unset = {k for k in BUILTIN_DEFAULTS if getattr(self, k) is UNSET or getattr(self, k)
+                 is None}
+        for k in unset:
+            setattr(self, k, BUILTIN_DEFAULTS[k])
+        self.unset = frozenset(unset)
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
@@ -119,3 +158,46 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def with_defaults(self, defaults: Mapping[str, float | int]) -> SamplingParams:
+        """These params with ``defaults`` (the model's) in the fields the request left unset."""
+        apply = {k: v for k, v in defaults.items() if k in self.unset}
+        if not apply:
+            return self
+        keep = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        keep.update({k: None for k in self.unset}, **apply)
+        return SamplingParams(**keep)
+
+
+_warned: set[str] = set()
+
+
+def _log_once(level: int, message: str, *args: object) -> None:
+    key = message % args
+    if key not in _warned:
+        _warned.add(key)
+        log.log(level, message, *args)
+
+
+def resolve_generation_defaults(given: Mapping[str, float | int]) -> dict[str, float | int]:
+    """The sampling defaults of a model's generation_config.json fields ``given`` (vLLM's
+    ``get_diff_sampling_param``): the supported ones, checked as a request's would be; each
+    field the engine cannot apply is dropped with a warning (once). Raises ValueError naming a
+    field whose value no request could have."""
+    out: dict[str, float | int] = {}
+    for name, value in given.items():
+        if name in BUILTIN_DEFAULTS:
+            try:
+                SamplingParams(**{name: value})
+            except SamplingParamsError as e:
+                raise ValueError(f"{name}: {str(e).split(': ', 1)[1]}") from None
+            out[name] = value
+        elif name in UNSUPPORTED_DEFAULTS and value != UNSUPPORTED_DEFAULTS[name]:
+            _log_once(logging.WARNING, "the model's generation_config.json sets %s=%r, which "
+                      "cuteinfer does not support: that default is ignored", name, value)
+    if out:
+        _log_once(logging.INFO, "default sampling parameters from the model's "
+                  "generation_config.json: %s (request fields override them; "
+                  "--generation-config vllm ignores the file)",
+                  ", ".join(f"{k}={v}" for k, v in out.items()))
+    return out

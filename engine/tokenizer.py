@@ -1,6 +1,7 @@
 """Tokenizer: the ``tokenizers`` library on a checkpoint's ``tokenizer.json``, plus what a serving
-engine needs around it: special tokens from ``tokenizer_config.json``, the checkpoint's jinja2 chat
-template rendered as transformers renders it, and an incremental detokenizer for streaming.
+engine needs around it: special tokens from ``tokenizer_config.json`` and the checkpoint's jinja2
+chat template rendered as transformers renders it. Streaming detokenization is tokenizers'
+``DecodeStream`` over ``backend_tokenizer`` (engine/output_processor.py).
 
 A checkpoint directory without ``tokenizer.json`` has no tokenizer (``from_pretrained`` returns
 None); the engine then takes token-id prompts only.
@@ -9,7 +10,7 @@ None); the engine then takes token-id prompts only.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -94,6 +95,11 @@ class Tokenizer:
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default")
         return cls(tk, config, template)
+
+    @property
+    def backend_tokenizer(self) -> HFTokenizer:
+        """The ``tokenizers.Tokenizer`` underneath (transformers' name for it)."""
+        return self._tk
 
     @property
     def vocab_size(self) -> int:
@@ -216,53 +222,3 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
 
-
-class IncrementalDetokenizer:
-    """Text deltas for a growing token sequence (vLLM's prefix/read offsets).
-
-    ``read_offset`` is where the text emitted so far ends; ``prefix_offset`` starts a few tokens
-    earlier so that each token is decoded in context (a SentencePiece word boundary, a byte-level
-    character split across tokens). A delta whose text ends in U+FFFD is an incomplete character:
-    it is held back until the next token completes it. ``finish()`` flushes what is held, so the
-    concatenated deltas equal ``decode(all tokens)``.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        prompt_token_ids: Sequence[int] = (),
-        skip_special_tokens: bool = True,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.token_ids: list[int] = list(prompt_token_ids)
-        # Up to 5 prompt tokens of context, as vLLM: enough for any word boundary.
-        self.read_offset = len(self.token_ids)
-        self.prefix_offset = max(self.read_offset - 5, 0)
-        self.text = ""
-
-    def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self.token_ids[start:end], self.skip_special_tokens)
-
-    def step(self, token_ids: int | Iterable[int]) -> str:
-        """Append token(s); return the new text that is now complete (possibly "")."""
-        if isinstance(token_ids, int):
-            self.token_ids.append(token_ids)
-        else:
-            self.token_ids.extend(token_ids)
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        new_text = self._decode(self.prefix_offset)
-        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
-            return ""
-        delta = new_text[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
-        return delta
-
-    def finish(self) -> str:
-        """Text still held back at the end of the sequence (e.g. a truncated character)."""
-        prefix_text = self._decode(self.prefix_offset, self.read_offset)
-        delta = self._decode(self.prefix_offset)[len(prefix_text) :]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
-        return delta

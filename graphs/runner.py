@@ -15,18 +15,20 @@ capture is lazy), the caller uploads its inputs padded to ``bucket``, then ``rep
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.cuda.driver import Graph, Stream
-from engine.progress import Progress
+from engine.progress import progress
 from graphs.buckets import bucket_for
 
 if TYPE_CHECKING:
     pass
+
+log = logging.getLogger(__name__)
 
 
 # makes the Graph of the work a callable enqueues on a stream (driver.Graph.capture)
@@ -123,17 +125,16 @@ class GraphRunner:
     def capture_all(self, show: bool = True) -> dict[str, float]:
         """Capture every bucket, largest first. Returns totals for the start-up report."""
         t0 = time.perf_counter()
-        with Progress(len(self.buckets), "capturing decode graphs", " buckets",
-                      enabled=show) as bar:
-            for b in sorted(self.buckets, reverse=True):
+        with progress(sorted(self.buckets, reverse=True), "capturing decode graphs",
+                      enable=show, unit="bucket") as bar:
+            for b in bar:
                 if b not in self.graphs:
                     self.capture(b)
-                bar.update(1)
         total = time.perf_counter() - t0
         mem = sum(g.mem_bytes for g in self.graphs.values())
         if show:
-            print(f"[cuteinfer] captured {len(self.graphs)} decode graphs in {total:.1f}s "
-                  f"(graph memory {mem / 2**20:.1f} MiB)", file=sys.stderr)
+            log.info("captured %d decode graphs in %.1fs (graph memory %.1f MiB)",
+                     len(self.graphs), total, mem / 2**20)
         return {"graphs": len(self.graphs), "capture_s": total, "graph_mem_bytes": mem}
 
     # -- replay ----------------------------------------------------------------------------------

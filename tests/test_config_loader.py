@@ -45,7 +45,9 @@ def test_eos_ids_merged_from_generation_config():
 
 @pytest.mark.parametrize("change,needle", [
     ({"architectures": ["MistralForCausalLM"]}, "Qwen3ForCausalLM"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn'"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}},
+     "rope_scaling.rope_type 'longrope' is not supported; supported rope types: default, "
+     "linear, dynamic, yarn, llama3"),
     ({"attention_bias": True}, "attention_bias"),
     ({"use_sliding_window": True}, "sliding-window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
@@ -58,10 +60,10 @@ def test_unsupported_configs_are_named(change, needle):
         ModelConfig.from_dict(cfg)
 
 
-def test_rope_scaling_in_v5_form_is_refused():
+def test_unknown_rope_scaling_in_v5_form_is_refused():
     cfg = hf_config("qwen3-0.6b", 5)
-    cfg["rope_parameters"] = {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}
-    with pytest.raises(ConfigError, match="rope scaling 'linear'"):
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e6, "factor": 2.0}
+    with pytest.raises(ConfigError, match="rope_parameters.rope_type 'longrope' is not supp"):
         ModelConfig.from_dict(cfg)
 
 
@@ -462,3 +464,22 @@ def test_corrupt_gguf_is_a_typed_error_naming_the_file(tmp_path, content):
     with pytest.raises(GGUFConvertError, match=r"m\.gguf: not a readable GGUF file"):
         convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_fp16_and_fp32_checkpoints_load_as_bf16_with_a_notice(tmp_path, caplog, dtype):
+    d = write_checkpoint(tmp_path / "m", "tiny-qwen3", quiet=True)
+    f = d / "model.safetensors"
+    tensors = {k: np.asarray(v, dtype=np.float32).astype(dtype)
+               for k, v in open_tensors(f).items()}
+    f.unlink()
+    save_file(tensors, f)
+    with caplog.at_level("WARNING", logger="engine.model.loader"):
+        ck = load_checkpoint(d)
+    assert {str(t.dtype) for t in ck.tensors.values()} == {"bfloat16"}
+    [rec] = [r for r in caplog.records if r.name == "engine.model.loader"]
+    assert f"its {np.dtype(dtype).name} weights are converted to bfloat16" in rec.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="engine.model.loader"):
+        load_checkpoint(write_checkpoint(tmp_path / "b", "tiny-qwen3", quiet=True))
+    assert not caplog.records  # a bf16 checkpoint loads silently

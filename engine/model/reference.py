@@ -3,13 +3,33 @@
 It matches Hugging Face transformers in float32 (checkpoint loaded from disk in float32) to
 ~1e-6 in logprobs. The layer functions are shared with the numpy paged executor; ``forward``
 runs one whole sequence with dense causal attention.
+
+RoPE frequencies (``inv_freq``) follow transformers' ``modeling_rope_utils.py`` op for op in
+float32 (``x / t`` of a Python number by a tensor is ``t.reciprocal() * x`` in torch), and the
+cuda backend uploads ``cos_sin_table`` of the same values:
+
+- default: ``1 / theta ** (2i / d)``; linear: that divided by the factor.
+- llama3: wavelengths above ``original_max / low_freq_factor`` divided by the factor, those
+  below ``original_max / high_freq_factor`` kept, a linear blend between.
+- yarn: interpolated (``/ factor``) and extrapolated frequencies blended over the dimensions
+  that turn between ``beta_fast`` and ``beta_slow`` times in the original context; cos and sin
+  multiplied by the attention factor.
+- dynamic (NTK): transformers grows the base with the current sequence length, which a paged KV
+  cache cannot follow (cached keys keep the rotation they were written with). As vLLM does, one
+  base is fixed for the whole scaled context ``L = max_position_embeddings * factor``:
+  ``theta * (factor * L / max_position_embeddings - (factor - 1)) ** (d / (d - 2))``. Short
+  sequences therefore differ from transformers', which keeps plain theta up to
+  max_position_embeddings.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import numpy as np
 
-from engine.config import ModelConfig
+from engine.config import PLAIN_ROPE, ModelConfig, RopeScaling
 from engine.model.loader import Checkpoint
 
 F32 = np.float32
@@ -21,22 +41,75 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return (w * (x * (F32(1.0) / np.sqrt(var + F32(eps))))).astype(F32)
 
 
-def inv_freq(head_dim: int, theta: float) -> np.ndarray:
-    """As HF computes it: ``1 / theta ** (arange(0, d, 2) / d)`` in float32."""
-    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(F32) / F32(head_dim)
-    return (F32(1.0) / np.power(F32(theta), exps, dtype=F32)).astype(F32)
+@functools.lru_cache(maxsize=16)
+def inv_freq(head_dim: int, theta: float, scaling: RopeScaling = PLAIN_ROPE) -> np.ndarray:
+    """[head_dim/2] float32 (read-only), as transformers computes it for ``scaling``."""
+    d, sc = head_dim, scaling
+    if sc.rope_type == "dynamic":
+        n = sc.original_max_position_embeddings
+        longest = n * sc.factor
+        theta = theta * ((sc.factor * longest / n) - (sc.factor - 1)) ** (d / (d - 2))
+    exps = np.arange(0, d, 2, dtype=np.int64).astype(F32) / F32(d)
+    pos_freqs = np.power(F32(theta), exps, dtype=F32)
+    out = F32(1.0) / pos_freqs
+    if sc.rope_type == "linear":
+        out = out / F32(sc.factor)
+    elif sc.rope_type == "llama3":
+        out = _llama3(out, sc)
+    elif sc.rope_type == "yarn":
+        out = _yarn(out, pos_freqs, d, theta, sc)
+    out = out.astype(F32)
+    out.setflags(write=False)
+    return out
 
 
-def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape [T, head_dim/2] (float32), neox layout (halves share frequencies)."""
-    freqs = positions.astype(F32)[:, None] * inv_freq(head_dim, theta)[None, :]
-    return np.cos(freqs).astype(F32), np.sin(freqs).astype(F32)
+def _llama3(inv: np.ndarray, sc: RopeScaling) -> np.ndarray:
+    factor, old = F32(sc.factor), sc.original_max_position_embeddings
+    low_wavelen = F32(old / sc.low_freq_factor)
+    high_wavelen = F32(old / sc.high_freq_factor)
+    wavelen = (F32(1.0) / inv) * F32(2 * math.pi)
+    scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = ((F32(1.0) / wavelen) * F32(old) - F32(sc.low_freq_factor)) / F32(
+        sc.high_freq_factor - sc.low_freq_factor)
+    smoothed = (F32(1.0) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled)
 
 
-def cos_sin_table(max_pos: int, head_dim: int, theta: float) -> np.ndarray:
+def _yarn(extrapolation: np.ndarray, pos_freqs: np.ndarray, d: int, theta: float,
+          sc: RopeScaling) -> np.ndarray:
+    interpolation = F32(1.0) / (F32(sc.factor) * pos_freqs)
+    orig = sc.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (d * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low: float = correction_dim(sc.beta_fast)
+    high: float = correction_dim(sc.beta_slow)
+    if sc.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    ramp = np.clip((np.arange(d // 2, dtype=F32) - F32(low)) / F32(high - low), F32(0), F32(1))
+    extrapolation_factor = F32(1.0) - ramp
+    return (interpolation * (F32(1.0) - extrapolation_factor)
+            + extrapolation * extrapolation_factor)
+
+
+def rope_cos_sin(positions: np.ndarray, head_dim: int, theta: float,
+                 scaling: RopeScaling = PLAIN_ROPE) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of shape [T, head_dim/2] (float32), neox layout (halves share frequencies),
+    times the attention factor (yarn), as transformers' rotary embedding returns them."""
+    freqs = positions.astype(F32)[:, None] * inv_freq(head_dim, theta, scaling)[None, :]
+    att = F32(scaling.attention_factor)
+    return (np.cos(freqs) * att).astype(F32), (np.sin(freqs) * att).astype(F32)
+
+
+def cos_sin_table(max_pos: int, head_dim: int, theta: float,
+                  scaling: RopeScaling = PLAIN_ROPE) -> np.ndarray:
     """[max_pos, head_dim]: cos in the first half, sin in the second (the kernels' table)."""
-    c, s = rope_cos_sin(np.arange(max_pos), head_dim, theta)
+    c, s = rope_cos_sin(np.arange(max_pos), head_dim, theta, scaling)
     return np.concatenate([c, s], axis=1)
 
 
@@ -115,7 +188,7 @@ class ReferenceModel:
         if cfg.qk_norm:
             q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
-        cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, cfg.rope_scaling)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), np.ascontiguousarray(v)
 
     def attn_out_and_mlp(self, li: int, x: np.ndarray, attn: np.ndarray) -> np.ndarray:

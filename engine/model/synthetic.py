@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import shutil
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +25,8 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.model.safetensors_io import save_file
 from engine.model.spec import expected_tensors
+
+log = logging.getLogger(__name__)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -66,9 +68,11 @@ PRESETS: dict[str, dict] = {
 
 def hf_config(preset: str, form: int = 4, overrides: dict | None = None) -> dict:
     """The config.json dict in the transformers 4.x form (top-level rope_theta, torch_dtype)
-    or the 5.x form (rope_parameters, dtype)."""
+    or the 5.x form (rope_parameters, dtype). An override ``rope_scaling`` (the scaling
+    values, without rope_theta) goes where the form keeps it."""
     cfg = dict(PRESETS[preset])
     cfg.update(overrides or {})
+    scaling = cfg.pop("rope_scaling", None)
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     cfg.update(hidden_act="silu", attention_bias=False, attention_dropout=0.0,
                initializer_range=0.02, use_cache=True)
@@ -78,10 +82,11 @@ def hf_config(preset: str, form: int = 4, overrides: dict | None = None) -> dict
         cfg.update(mlp_bias=False, pretraining_tp=1)
     theta = cfg.pop("rope_theta")
     if form == 4:
-        cfg.update(rope_theta=theta, rope_scaling=None, torch_dtype="bfloat16",
+        cfg.update(rope_theta=theta, rope_scaling=scaling, torch_dtype="bfloat16",
                    transformers_version="4.51.0")
     elif form == 5:
-        cfg.update(rope_parameters={"rope_type": "default", "rope_theta": theta},
+        cfg.update(rope_parameters={"rope_type": "default", **(scaling or {}),
+                                    "rope_theta": theta},
                    dtype="bfloat16", transformers_version="5.0.0")
     else:
         raise ValueError("form must be 4 or 5")
@@ -176,6 +181,6 @@ def write_checkpoint(out: str | Path, preset: str, *, seed: int = 0, form: int =
             shutil.copy(src / f, d / f)
     if not quiet:
         gb = sum(a.nbytes for a in weights.values()) / 1e9
-        print(f"wrote {preset} ({cfg.num_parameters / 1e9:.3f} B params, {gb:.2f} GB, "
-              f"{len(shards)} shard(s)) to {d}", file=sys.stderr)
+        log.info("wrote %s (%.3f B params, %.2f GB, %d shard(s)) to %s", preset,
+                 cfg.num_parameters / 1e9, gb, len(shards), d)
     return d

@@ -5,6 +5,10 @@ Types are strict, as OpenAI's API is: ``"max_tokens": "5"`` is a 400, not a coer
 fields are accepted and ignored (clients send vendor extras); fields the engine cannot honor
 (``n`` > 1, penalties, ``logit_bias``, ``echo``, tools...) are refused with a 400 that names them.
 
+Sampling fields a request leaves out (or sends as null) stay unset in ``SamplingParams``: the
+model's generation_config.json defaults fill them (``--generation-config auto``, as vLLM), else
+the built-in ones; a field that is sent, even with the built-in value, is the request's.
+
 Everything a client controls is bounded (the MAX_* below; the body as a whole by
 ``--max-request-bytes``), so one request cannot make a step slow for the batch it joins, and every
 string that reaches the tokenizer, the chat template or the engine is valid Unicode: JSON can spell
@@ -161,6 +165,7 @@ class _SamplingBody(_Body):
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = None  # refused unless 1 (a model default is ignored)
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool | None = True
@@ -174,6 +179,9 @@ class _SamplingBody(_Body):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise bad_request(f"{name} is not supported; leave it at 0", name)
+        if self.repetition_penalty not in (None, 1.0):
+            raise bad_request("repetition_penalty is not supported; leave it at 1",
+                              "repetition_penalty")
         if self.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -185,15 +193,13 @@ class _SamplingBody(_Body):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         vocab_size: int) -> SamplingParams:
-        top_k = self.top_k or 0
-        if top_k >= vocab_size:  # keeps every token: the same as off (and fits the int32 batch)
-            top_k = 0
-        try:
+        top_k = self.top_k
+        if top_k is not None and top_k >= vocab_size:  # keeps every token: the same as off
+            top_k = 0  # (and fits the int32 batch)
+        try:  # None = unset: the model's default, else the built-in one
             return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=top_k, min_p=self.min_p or 0.0, seed=self.seed,
+                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                top_k=top_k, min_p=self.min_p, seed=self.seed,
                 stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
                 skip_special_tokens=self.skip_special_tokens is not False,
