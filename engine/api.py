@@ -7,12 +7,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from functools import partial
 from typing import Any
 
 from engine.args import EngineArgs
 from engine.engine import LLMEngine, RequestError
 from engine.outputs import CompletionOutput, RequestOutput, StreamOutput
+from engine.progress import progress
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -46,9 +49,27 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[str | list[in
 
 
 class LLM:
-    def __init__(self, model: str | None = None, backend: str = "auto", **options: Any) -> None:
-        self.engine = LLMEngine(EngineArgs.from_kwargs(model=model or "", backend=backend,
-                                                       **options))
+    def __init__(self, model: str | None = None, backend: str = "auto",
+                 engine_core: str = "thread", **options: Any) -> None:
+        """``engine_core``: "thread" (default: the scheduler and executor in this process, the
+        lowest latency at batch 1) or "process" (the engine core in a child process, as the
+        server runs it; a script using it needs the ``if __name__ == "__main__":`` guard of
+        multiprocessing's spawn start method)."""
+        args = EngineArgs.from_kwargs(model=model or "", backend=backend, **options)
+        if engine_core == "process":
+            from engine.core.client import MultiprocessEngine
+
+            self.engine: LLMEngine | MultiprocessEngine = MultiprocessEngine(args)
+        elif engine_core == "thread":
+            self.engine = LLMEngine(args)
+        else:
+            raise ValueError(f"engine_core={engine_core!r}: use 'thread' or 'process'")
+
+    def shutdown(self) -> None:
+        """Stop the engine core process (engine_core="process"); a no-op otherwise."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
@@ -79,15 +100,24 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in the order of the prompts."""
+                 use_tqdm: bool | Callable[..., Any] = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in the order of the prompts.
+
+        ``use_tqdm`` (vLLM's): a progress bar over finished requests on stderr, drawn when
+        stderr is a terminal; False for none; a callable is used in tqdm's place
+        (``use_tqdm(total=..., desc=..., unit=...)``)."""
+        bar_of = _progress_factory(use_tqdm)
         ids = self._add_all(prompts, sampling_params)
         eng = self.engine
         try:
             pending = set(ids)
-            while pending:
-                eng.step()
-                pending = {r for r in pending if not eng.requests[r].is_finished}
+            with closing(bar_of(total=len(ids), desc="Processed prompts", unit="req")) as bar:
+                while pending:
+                    eng.step()
+                    still = {r for r in pending if not eng.requests[r].is_finished}
+                    if len(still) < len(pending):
+                        bar.update(len(pending) - len(still))
+                    pending = still
             return [eng.output(eng.requests[r]) for r in ids]
         finally:  # done, failed or interrupted (KeyboardInterrupt too): nothing left running
             self._abort_all(ids)
@@ -119,7 +149,8 @@ class LLM:
     def chat(self, messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             add_generation_prompt: bool = True, **kwargs: Any) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool | Callable[..., Any] = True,
+             **kwargs: Any) -> list[RequestOutput]:
         """Apply the checkpoint's chat template (jinja2, as transformers does) and generate.
         ``messages`` is one conversation or a list of them; template variables such as Qwen3's
         ``enable_thinking`` go in ``chat_template_kwargs`` (or as keyword arguments)."""
@@ -127,4 +158,15 @@ class LLM:
         tk = {**(chat_template_kwargs or {}), **kwargs}
         chat = self.engine.input_processor.chat
         prompts = [chat(conv, add_generation_prompt, **tk) for conv in convs]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+def _progress_factory(use_tqdm: object) -> Callable[..., Any]:
+    """What ``generate`` makes its bar with: ``progress`` (tqdm, enabled or not), or the
+    caller's callable. Refuses anything else, naming the field."""
+    if isinstance(use_tqdm, bool):
+        return partial(progress, enable=use_tqdm)
+    if callable(use_tqdm):
+        return use_tqdm
+    raise TypeError(f"use_tqdm must be a bool or a callable that makes a tqdm-like bar, got "
+                    f"{type(use_tqdm).__name__} ({use_tqdm!r:.40})")

@@ -48,15 +48,16 @@ class StepStats:
 
 
 def resolve_model_dir(model: str) -> Path:
-    if model:
-        return Path(model)
-    from engine.model.gguf_convert import default_model_dir
+    """--model -> checkpoint directory: a directory, a .gguf file, a hub id or the default."""
+    from engine.model.hub import resolve_model
 
-    return default_model_dir()
+    return resolve_model(model)
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, process_outputs: bool = True) -> None:
+        """``process_outputs=False``: the engine core process (engine/core), whose front end
+        detokenizes and finds stop strings itself: no text here."""
         self.model_dir = model_dir = resolve_model_dir(args.model)
         self.model_config = mcfg = ModelConfig.from_pretrained(model_dir)
         # checked and resolved once: cfg.backend is "numpy" or "cuda", max_model_len an int
@@ -80,8 +81,11 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.block_manager)
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, cfg.max_model_len,
                                               cfg.block_size, self.block_manager.num_pages,
-                                              str(model_dir))
-        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler.finish)
+                                              str(model_dir),
+                                              mcfg.sampling_defaults(cfg.generation_config))
+        self.process_outputs = process_outputs
+        self.output_processor = OutputProcessor(self.tokenizer if process_outputs else None,
+                                                self.scheduler.finish)
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
@@ -119,6 +123,10 @@ class LLMEngine:
         forward (a legitimate long prefill keeps it moving; a hung step does not)."""
         return self.stats.steps + self.stats.failed_steps + self.executor.heartbeat
 
+    @property
+    def num_pages(self) -> int:
+        return self.block_manager.num_pages
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
@@ -152,8 +160,18 @@ class LLMEngine:
         self.stats.graph_steps += int(step.graph)
         self.stats.eager_steps += int(not step.graph)
         changed = self.scheduler.update_from_output(out, step)
-        self.output_processor.process(changed)
+        if self.process_outputs:
+            self.output_processor.process(changed)
         return changed
+
+    def gauges(self) -> dict:
+        """The scheduler, KV and step counters the server's metrics read."""
+        sched, st = self.scheduler, self.stats
+        return {"running": len(sched.running), "waiting": len(sched.waiting),
+                "num_preemptions": sched.num_preemptions, "kv": self.block_manager.gauges(),
+                "kv_stats": self.block_manager.stats(), "steps": st.steps,
+                "eager_steps": st.eager_steps, "graph_steps": st.graph_steps,
+                "failed_steps": st.failed_steps, "tokens": st.tokens}
 
     # -- outputs ---------------------------------------------------------------------------------
     def visible_text(self, req: Request) -> str:

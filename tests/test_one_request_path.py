@@ -19,6 +19,7 @@ pytest.importorskip("fastapi")
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.server.testing import (  # noqa: E402
+    SERVER_CORE,
     http,
     make_engine,
     running_server,
@@ -39,7 +40,7 @@ def llm(chat_dir: Path) -> LLM:
 @pytest.fixture(scope="module")
 def url(chat_dir: Path) -> Iterator[str]:
     # its own engine: the server's engine thread owns it (LLM calls would race with it)
-    with running_server(make_engine(chat_dir, max_model_len=MAX_MODEL_LEN),
+    with running_server(make_engine(chat_dir, core=SERVER_CORE, max_model_len=MAX_MODEL_LEN),
                         served_model_name="m") as s:
         yield s.url
 

@@ -32,6 +32,7 @@ from engine.server.app import build_app  # noqa: E402
 from engine.server.async_engine import AsyncEngine  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
+    SERVER_CORE,
     http,
     make_engine,
     running_server,
@@ -46,7 +47,7 @@ MB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def server(chat_dir: Path) -> Iterator[OpenAIServer]:
-    with running_server(make_engine(chat_dir, max_model_len=MAX_MODEL_LEN),
+    with running_server(make_engine(chat_dir, core=SERVER_CORE, max_model_len=MAX_MODEL_LEN),
                         served_model_name="tiny-chat") as s:
         yield s
 

@@ -19,6 +19,7 @@ aiohttp = pytest.importorskip("aiohttp")
 from engine.server import bench_client as bench_serving  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
+    SERVER_CORE,
     make_engine,
     running_server,
     wait_idle,
@@ -36,7 +37,8 @@ IMPATIENT = 8
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAIServer]:
     model = write_test_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), "tiny")
     # 64 requests of up to 2 pages each want 128 pages: 80 forces preemption under load
-    engine = make_engine(model, max_num_seqs=CLIENTS, num_gpu_blocks_override=80)
+    engine = make_engine(model, core=SERVER_CORE, max_num_seqs=CLIENTS,
+                         num_gpu_blocks_override=80)
     with running_server(engine) as s:
         yield s
 

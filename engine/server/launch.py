@@ -29,7 +29,9 @@ from types import FrameType
 
 import uvicorn
 
+from engine.core.client import MultiprocessEngine
 from engine.engine import LLMEngine
+from engine.model.hub import model_name
 from engine.server.app import DEFAULT_MAX_REQUEST_BYTES, build_app
 from engine.server.async_engine import AsyncEngine
 from engine.server.metrics import ServerMetrics
@@ -54,12 +56,14 @@ class _Uvicorn(uvicorn.Server):
 
 
 class OpenAIServer:
-    def __init__(self, engine: LLMEngine, *, host: str = "127.0.0.1", port: int = 8000,
+    def __init__(self, engine: LLMEngine | MultiprocessEngine, *, host: str = "127.0.0.1",
+                 port: int = 8000,
                  served_model_name: str | None = None, step_timeout_s: float = 120.0,
                  shutdown_grace_s: float = 5.0, log_level: str = "info",
                  access_log: bool = False,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
-        self.served_model_name = served_model_name or engine.model_dir.name
+        self.served_model_name = served_model_name or model_name(engine.config.model,
+                                                                 engine.model_dir)
         self.async_engine = AsyncEngine(engine, step_timeout_s=step_timeout_s,
                                         on_fatal=self._on_fatal)
         self.metrics = ServerMetrics(self.async_engine.snapshot,
@@ -77,7 +81,7 @@ class OpenAIServer:
         self._drainer: threading.Thread | None = None
 
     @property
-    def engine(self) -> LLMEngine:
+    def engine(self) -> LLMEngine | MultiprocessEngine:
         return self.async_engine.engine
 
     def exit_code(self) -> int:
@@ -143,7 +147,17 @@ class OpenAIServer:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.async_engine.shutdown(timeout=JOIN_TIMEOUT_S)
+            self._stop_core()
         return self.exit_code()
+
+    def _stop_core(self) -> None:
+        """A two-process engine: stop its core process (the in-process one has nothing)."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            try:
+                stop()
+            except Exception:
+                log.exception("stopping the engine core failed")
 
     def start(self, timeout: float = 30.0) -> str:
         """Serve on a background thread; returns the base URL once it accepts connections."""
@@ -172,3 +186,4 @@ class OpenAIServer:
         if self._thread is not None:
             self._thread.join(timeout)
         self.async_engine.shutdown(timeout=JOIN_TIMEOUT_S)
+        self._stop_core()

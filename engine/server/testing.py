@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.args import EngineArgs
+from engine.core.client import MultiprocessEngine
 from engine.engine import LLMEngine
 from engine.server.launch import OpenAIServer
 
@@ -41,13 +42,29 @@ def write_test_checkpoint(out: str | Path, kind: str = "tiny") -> Path:
     raise ValueError(f"kind {kind!r}: use 'tiny' or 'chat'")
 
 
-def make_engine(model_dir: str | Path, **options: Any) -> LLMEngine:
+# The engine the server tests run against: "process" (the default, as ``cuteinfer serve``: the
+# engine core in a child process) or "thread" (in-process). Tests that reach into the engine
+# (fault hooks, patched steps) build a "thread" one whatever this says.
+SERVER_CORE = os.environ.get("CUTEINFER_TEST_ENGINE_CORE", "process")
+
+
+def make_engine(model_dir: str | Path, core: str = "thread", fault: str | None = None,
+                **options: Any) -> LLMEngine | MultiprocessEngine:
+    """A numpy-backend engine over ``model_dir``: in-process (``core="thread"``) or with its
+    core in a child process (``"process"``; ``fault`` names a "module:function" run there on
+    the core's LLMEngine, a test's way to inject faults across the process boundary)."""
     opts: dict[str, Any] = {"backend": "numpy", "max_model_len": 256, **options}
-    return LLMEngine(EngineArgs.from_kwargs(model=str(model_dir), **opts))
+    args = EngineArgs.from_kwargs(model=str(model_dir), **opts)
+    if core == "process":
+        return MultiprocessEngine(args, fault=fault)
+    if core != "thread" or fault is not None:
+        raise ValueError(f"core={core!r}, fault={fault!r}: core is 'thread' or 'process', and "
+                         "a fault spec needs 'process'")
+    return LLMEngine(args)
 
 
 @contextmanager
-def running_server(engine: LLMEngine, **kwargs: Any) -> Iterator[OpenAIServer]:
+def running_server(engine: LLMEngine | MultiprocessEngine, **kwargs: Any) -> Iterator[OpenAIServer]:
     """An OpenAIServer on 127.0.0.1 and a free port, stopped on exit."""
     kwargs = {"log_level": "warning", "port": 0, **kwargs}
     server = OpenAIServer(engine, host="127.0.0.1", **kwargs)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# bash tools/gpu_serve_bench.sh PRESET (a warm call with .whl, and .tok for the Qwen3 tokenizer: CUTEINFER_QWEN3_TOKENIZER):
+# server ready time, serving (text and ids), offline LLM.generate, replay
+set -uo pipefail
+P=$1; PORT=8321; export PYTHONUNBUFFERED=1
+CK=/tmp/ck_$P
+[ -f $CK/config.json ] || python3 -m tools.make_checkpoint --preset $P --out $CK --max-shard-size 8 --tokenizer 2>&1 | tail -1
+t0=$(date +%s.%N)
+python3 -m engine.cli serve --model $CK --backend cuda --max-num-seqs 64 --max-model-len 1024 \
+  --port $PORT > "$OUT/serve_$P.log" 2>&1 &
+spid=$!
+for i in $(seq 1 600); do
+  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health')" 2>/dev/null && break; sleep 0.1
+done
+t1=$(date +%s.%N); echo "$P server ready in $(python3 -c "print(round($t1-$t0,2))") s"
+for kind in words ids; do
+  timeout 200 python3 -m tools.bench_serving --base-url http://127.0.0.1:$PORT --random-input-len 128 \
+    --random-output-len 256 --num-prompts ${PROMPTS:-320} --max-concurrency 64 --ignore-eos \
+    --prompt-kind $kind --vocab-range 0 150000 --out "$OUT/serve_${P}_$kind.json" 2>&1 | grep -E "tok/s|TPOT|ITL|TTFT|Successful|Failed" | head -12
+done
+curl -s http://127.0.0.1:$PORT/metrics 2>/dev/null | grep -E "^cuteinfer.*(steps|preempt)" | head -5
+kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P.log"
+timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} --out "$OUT/offline_$P.json" 2>&1 | tail -1
+timeout 200 python3 -m tools.bench_decode --preset $P --batch 64 --ctx 256 --out "$OUT/replay_$P.json" 2>&1 | grep -v Warning | tail -3
