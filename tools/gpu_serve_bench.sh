@@ -16,9 +16,9 @@ t1=$(date +%s.%N); echo "$P server ready in $(python3 -c "print(round($t1-$t0,2)
 for kind in words ids; do
   timeout 200 python3 -m tools.bench_serving --base-url http://127.0.0.1:$PORT --random-input-len 128 \
     --random-output-len 256 --num-prompts ${PROMPTS:-320} --max-concurrency 64 --ignore-eos \
-    --prompt-kind $kind --vocab-range 0 150000 --out "$OUT/serve_${P}_$kind.json" 2>&1 | grep -E "tok/s|TPOT|ITL|TTFT|Successful|Failed" | head -12
+    --prompt-kind $kind --vocab-range 0 150000 --out "$OUT/serve_${P}_$kind.json" 2>&1 | grep -E "tok/s|TPOT|ITL|TTFT|Successful|Failed" | head -20
 done
 curl -s http://127.0.0.1:$PORT/metrics 2>/dev/null | grep -E "^cuteinfer.*(steps|preempt)" | head -5
 kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P.log"
 timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} --out "$OUT/offline_$P.json" 2>&1 | tail -1
-timeout 200 python3 -m tools.bench_decode --preset $P --batch 64 --ctx 256 --out "$OUT/replay_$P.json" 2>&1 | grep -v Warning | tail -3
+timeout 200 python3 -m tools.bench_decode --preset $P --batch 1,64 --ctx 256 --out "$OUT/replay_$P.json" 2>&1 | grep -v Warning | tail -3

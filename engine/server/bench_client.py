@@ -195,7 +195,7 @@ def percentile(values: list[float], q: float) -> float:
 def _stats(values: list[float]) -> dict[str, float]:
     ms = [x * 1000.0 for x in values]
     return {"mean": sum(ms) / len(ms) if ms else 0.0, "p50": percentile(ms, 50),
-            "p99": percentile(ms, 99)}
+            "p99": percentile(ms, 99), "max": max(ms) if ms else 0.0}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
@@ -235,7 +235,8 @@ def format_table(s: dict[str, Any]) -> str:
         st = s[key]
         lines += [f"{f'Mean {short} (ms):':<40}{st['mean']:<10.2f}",
                   f"{f'Median {short} (ms):':<40}{st['p50']:<10.2f}",
-                  f"{f'P99 {short} (ms):':<40}{st['p99']:<10.2f}"]
+                  f"{f'P99 {short} (ms):':<40}{st['p99']:<10.2f}",
+                  f"{f'Max {short} (ms):':<40}{st['max']:<10.2f}"]
     lines.append("=" * 50)
     for e in s.get("errors") or []:
         lines.append(f"error: {e}")
