@@ -6,8 +6,9 @@ Errors are one line on stderr, ``cuteinfer: error: <message>``, never a tracebac
 anything unexpected, 130 on Ctrl-C.
 
 Diagnostics (downloads, conversion, graph capture, the load report) go through ``logging``
-module loggers; ``main`` configures them once: the package's loggers at INFO (DEBUG with
-``--debug``), everything else at WARNING, one ``[cuteinfer] ...`` line each on stderr.
+module loggers; ``main`` configures them (a subcommand may again, with its own level): the
+package's loggers at INFO (DEBUG with ``--debug``), everything else at WARNING, one
+``[cuteinfer] ...`` line each on stderr.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ INPUT_ERRORS = (
 ENVIRONMENT_ERRORS = (("engine.model.fetch", "FetchError"),)
 # The package's loggers (modules log under their __name__; the server under "cuteinfer.server").
 PACKAGE_LOGGERS = ("engine", "graphs", "cutlass_kernels", "cuteinfer")
+HANDLER = "cuteinfer-stderr"  # the name of the root handler configure_logging adds
 
 
 class CLIError(Exception):
@@ -111,14 +113,21 @@ class _Formatter(logging.Formatter):
 
 
 def configure_logging(debug: bool = False, level: int | str = logging.INFO) -> None:
-    """One stderr handler on the root logger (added once, however often this runs); the
-    package's loggers at ``level`` (a name such as "warning" or a number), DEBUG with
-    ``debug``; other libraries' at WARNING."""
+    """One stderr handler on the root logger, however often this runs: the handler named
+    ``HANDLER`` that an earlier call added is replaced. (Not "is there a ``_Stderr`` already?":
+    under ``python -m engine.cli`` this file runs twice, as ``__main__`` and as ``engine.cli``
+    imported by a subcommand, so there are two ``_Stderr`` classes.) The package's loggers at
+    ``level`` (a name such as "warning" or a number), DEBUG with ``debug``; other libraries' at
+    WARNING."""
     root = logging.getLogger()
-    if not any(isinstance(h, _Stderr) for h in root.handlers):
-        handler = _Stderr()
-        handler.setFormatter(_Formatter())
-        root.addHandler(handler)
+    ours = [h for h in root.handlers if h.get_name() == HANDLER]
+    for h in ours:
+        root.removeHandler(h)
+    handler = _Stderr()
+    handler.set_name(HANDLER)
+    handler.setFormatter(_Formatter())
+    root.addHandler(handler)
+    if not ours:
         root.setLevel(logging.WARNING)
     for name in PACKAGE_LOGGERS:
         logging.getLogger(name).setLevel(

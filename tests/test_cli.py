@@ -157,3 +157,54 @@ def test_usage_errors_are_one_line() -> None:
 def test_help_still_exits_0() -> None:
     r = cuteinfer("--help")
     assert r.returncode == 0 and "generate" in r.stdout and "--debug" in r.stdout
+
+
+def test_configure_logging_twice_keeps_one_handler() -> None:
+    """``python -m engine.cli`` runs cli.py as ``__main__`` and a subcommand imports it again as
+    ``engine.cli``: two module objects, both configuring. One handler either way."""
+    import importlib.util
+    import logging
+
+    import engine.cli
+
+    spec = importlib.util.spec_from_file_location("__main__as_run", engine.cli.__file__)
+    assert spec is not None and spec.loader is not None
+    as_main = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(as_main)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        as_main.configure_logging()
+        engine.cli.configure_logging(level="warning")
+        engine.cli.configure_logging(debug=True)
+        ours = [h for h in root.handlers if h.get_name() == engine.cli.HANDLER]
+        assert len(ours) == 1 and isinstance(ours[0], engine.cli._Stderr)
+        assert logging.getLogger("engine").level == logging.DEBUG
+    finally:
+        root.handlers[:], root.level = saved
+
+
+def test_serve_prints_its_ready_line_once(tiny: Path) -> None:
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    p = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--model", str(tiny),
+                          "--backend", "numpy", "--port", "0"], cwd=REPO, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE,
+                         stdout=subprocess.DEVNULL)
+    lines: list[str] = []
+    try:
+        assert p.stderr is not None
+        for line in p.stderr:  # up to uvicorn's own start-up lines, which follow ours
+            lines.append(line)
+            if "Uvicorn running" in line or "Application startup complete" in line:
+                break
+    finally:
+        p.send_signal(2)  # SIGINT: drain and exit
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    ready = [ln for ln in lines if "ready in" in ln]
+    assert len(ready) == 1, "".join(lines)
+    assert len(set(lines)) == len(lines), "".join(lines)

@@ -2,7 +2,8 @@
 a hit loads the same object and a function that takes the same arguments; corrupt and stale
 entries are compiled again with a warning; processes filling the cache at once all leave a valid
 entry; ``CUTEINFER_KERNEL_CACHE=0`` keeps nothing; ``compile_all`` (_parallel.py) compiles in
-worker processes.
+worker processes, from a background thread that only ever loads (``Compiling``), while the cuda
+executor allocates and uploads (a fake upload here) and cancels it when that fails.
 
 Kernels are SiLU-and-mul at small widths (0.1-0.3 s to compile); each test uses its own widths,
 as the in-memory compile cache would otherwise answer instead of the disk.
@@ -10,12 +11,17 @@ as the in-memory compile cache would otherwise answer instead of the disk.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import logging
 import multiprocessing
+import subprocess
+import threading
 import time
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -102,6 +108,37 @@ def test_the_source_fingerprint_covers_what_the_kernel_imports(
     monkeypatch.setattr(_cache, "_module_file", lambda name: edited
                         if name == "cutlass_kernels._reduce" else real(name))
     assert _cache.source_fingerprint("cutlass_kernels.rmsnorm") != before
+
+
+def _imported_by_the_ast(name: str, source: bytes, is_package: bool) -> list[str]:
+    """What ``_cache._imported`` must find at least: every import statement Python sees."""
+    out: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([base] if base else []))
+            out += [base] + [f"{base}.{a.name}" for a in node.names]
+    return [m for m in out if m.split(".")[0] == "cutlass_kernels" and m != _cache._SELF]
+
+
+def test_the_import_scan_finds_every_import_the_ast_holds() -> None:
+    sources = {f"cutlass_kernels.{f.stem}": f for f in sorted(_cache.PACKAGE.glob("*.py"))}
+    sources["cutlass_kernels.tricky"] = None
+    tricky = (b"import cutlass_kernels._common as common  # noqa\n"
+              b"from . import (silu_mul,  # a comment\n    rmsnorm as r)\n"
+              b"from .gemm import \\\n    GemmSm90\n"
+              b"def f():\n    import os; import cutlass_kernels.rope_kv\n")
+    for name, path in sources.items():
+        src = tricky if path is None else path.read_bytes()
+        want = set(_imported_by_the_ast(name, src, False))
+        assert want <= set(_cache._imported(name, src, False)), name
+    got = set(_cache._imported("cutlass_kernels.tricky", tricky, False))
+    assert {"cutlass_kernels._common", "cutlass_kernels.silu_mul", "cutlass_kernels.rmsnorm",
+            "cutlass_kernels.gemm.GemmSm90", "cutlass_kernels.rope_kv"} <= got
 
 
 class _SiluMulWithAnObject(SiluMul):
@@ -260,3 +297,163 @@ def test_warmup_reports_what_it_did(monkeypatch: pytest.MonkeyPatch, cache: Path
     assert warmup.run(argparse.Namespace(preset="tiny-qwen3", model="", workers=None)) == 0
     out = capsys.readouterr().out
     assert "tiny-qwen3: 6 kernels" in out and "2 were in the cache, 4 compiled (3 in worker" in out
+
+
+def _compiles_in(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the threads ``cute.compile`` runs in, from now on."""
+    import cutlass.cute as cute
+
+    where: list[str] = []
+    real = cute.compile
+    monkeypatch.setattr(cute, "compile", lambda *a, **k: where.append(
+        threading.current_thread().name) or real(*a, **k))
+    return where
+
+
+def test_the_thread_loads_and_never_compiles(cache: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    compile_silu_mul(192)  # stored: the thread loads it
+    where = _compiles_in(monkeypatch)
+    done: list[tuple[str, str]] = []
+    jobs = {"cached": (compile_silu_mul, (192,), {}), "new": (compile_silu_mul, (200,), {})}
+    # one worker: no worker processes, so "new" compiles in result(), in this thread
+    pending = _parallel.Compiling(lambda: jobs, lambda name: done.append(
+        (name, threading.current_thread().name)), workers=1)
+    out = pending.result()
+    assert done == [("cached", "cuteinfer-kernels"), ("new", "MainThread")]
+    assert where == ["MainThread"] and out["new"].inter == 200 and pending.ready_at
+
+
+def test_a_job_that_fails_in_the_probe_raises_here_without_workers(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[object] = []
+    monkeypatch.setattr(_parallel.subprocess, "Popen", lambda *a, **k: started.append(a))
+    jobs = {"fine": (compile_silu_mul, (208,), {}), "bad": (compile_silu_mul, (12,), {})}
+    with pytest.raises(ValueError, match="intermediate=12 must be a multiple of 8"):
+        _parallel.compile_all(jobs, workers=2)
+    assert not started
+
+
+def test_workers_that_cannot_start_leave_the_jobs_to_the_caller(
+        cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def no_processes(*args: object, **kwargs: object) -> None:
+        raise OSError("no fork here")
+
+    monkeypatch.setattr(_parallel.subprocess, "Popen", no_processes)
+    where = _compiles_in(monkeypatch)
+    jobs = {"a": (compile_silu_mul, (216,), {}), "b": (compile_silu_mul, (224,), {})}
+    with caplog.at_level(logging.WARNING, logger="cutlass_kernels._parallel"):
+        out = _parallel.compile_all(jobs, workers=2)
+    assert any("compiling here" in r.getMessage() for r in caplog.records)
+    assert where == ["MainThread"] * 2 and out["b"].inter == 224
+
+
+# -- the cuda executor's start-up order, with a fake GPU ------------------------------------------
+
+def _fake_executor(monkeypatch: pytest.MonkeyPatch, widths: list[int], allocate) -> object:
+    """A CudaExecutor over tiny-qwen3 whose kernels are SiLU-and-mul at ``widths`` (round-robin
+    over the Kernels fields) and whose ``_allocate`` (context, plan, upload) is ``allocate``."""
+    from engine.args import EngineArgs
+    from engine.config import ModelConfig
+    from engine.executor import cuda_executor, cuda_model
+    from engine.model.synthetic import hf_config
+
+    fields = [f.name for f in dataclasses.fields(cuda_model.Kernels)]
+    monkeypatch.setattr(cuda_model, "_jobs", lambda mc: {
+        name: (compile_silu_mul, (widths[i % len(widths)],), {})
+        for i, name in enumerate(fields)})
+    monkeypatch.setattr(cuda_executor.CudaExecutor, "_allocate", allocate)
+    mc = ModelConfig.from_dict(hf_config("tiny-qwen3"))
+    ec = EngineArgs(enforce_eager=True, num_gpu_blocks_override=8).create_engine_config(mc,
+                                                                                        "cuda")
+    return cuda_executor.CudaExecutor(SimpleNamespace(config=mc), ec, verbose=False)
+
+
+def test_the_executor_uploads_while_the_workers_compile(cache: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    widths = [232, 240, 248]
+    seen: dict[str, int] = {}
+
+    def upload(self, ckpt, config, verbose) -> None:  # waits for the kernels, up to a minute
+        deadline = time.monotonic() + 60
+        while _cache.STATS["loaded"] - seen["before"] < len(widths):
+            assert time.monotonic() < deadline, "no kernel loaded during the upload"
+            time.sleep(0.05)
+        seen["during"] = _cache.STATS["loaded"] - seen["before"]
+        self.ctx, self.arena = SimpleNamespace(name="fake"), SimpleNamespace(capacity=0)
+        self.num_pages, self.kv_bytes, self.mc = 8, 0, ckpt.config
+
+    seen["before"] = _cache.STATS["loaded"]
+    before = _cache.STATS.copy()
+    ex = _fake_executor(monkeypatch, widths, upload)
+    # compiled by two workers and loaded by the thread while "uploading"; nothing compiled here
+    assert seen["during"] == len(widths)
+    assert _cache.STATS - before == Counter(worker_compiled=3, loaded=3)
+    assert ex.kernels.embed.inter == 232 and ex.kernels.gather_rows.inter == 240
+    assert ex.kernel_wait_s < 1.0
+    assert ex.compile_s > 0
+
+
+def test_a_failed_start_kills_the_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.cuda.driver import CudaError
+
+    procs: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs) -> subprocess.Popen:
+        procs.append(real(*args, **kwargs))
+        return procs[-1]
+
+    monkeypatch.setattr(_parallel.subprocess, "Popen", popen)
+
+    def out_of_memory(self, ckpt, config, verbose) -> None:
+        deadline = time.monotonic() + 60
+        while len(procs) < 2:  # the workers are compiling
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        raise CudaError("no room for the KV cache")
+
+    t0 = time.monotonic()
+    with pytest.raises(CudaError, match="no room"):
+        _fake_executor(monkeypatch, [256, 264, 272, 280], out_of_memory)
+    assert all(p.poll() is not None for p in procs)  # killed, not left compiling
+    assert time.monotonic() - t0 < 20
+    assert not [t for t in threading.enumerate() if t.name == "cuteinfer-kernels"]
+    assert not list(cache.glob("*.json"))  # nothing finished: they were killed mid-compile
+
+
+def test_with_cores_to_spare_the_workers_start_before_the_probe(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    procs: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(*args, **kwargs) -> subprocess.Popen:
+        procs.append(real(*args, **kwargs))
+        return procs[-1]
+
+    monkeypatch.setattr(_parallel.subprocess, "Popen", popen)
+    monkeypatch.setattr(_parallel, "_cpus", lambda: 8)  # 3 workers fit beside the caller
+    monkeypatch.setattr(_parallel, "_dsl_loaded", lambda: False)  # as in a fresh process
+    jobs = {f"j{w}": (compile_silu_mul, (w,), {}) for w in (288, 296, 304)}
+    at_probe: list[int] = []
+
+    def make_jobs() -> dict:
+        at_probe.append(len(procs))
+        return jobs
+
+    before = _cache.STATS.copy()
+    out = _parallel.Compiling(make_jobs, expect=3).result()
+    assert at_probe == [3] and len(procs) == 3  # started first, and no more after the probe
+    assert _cache.STATS - before == Counter(worker_compiled=3, loaded=3)
+    assert out["j296"].inter == 296 and all(p.poll() is not None for p in procs)
+
+    procs.clear()  # warm: the early workers are killed unused
+    before = _cache.STATS.copy()
+    _parallel.Compiling(make_jobs, expect=3).result()
+    assert len(procs) == 3 and all(p.poll() is not None for p in procs)
+    assert _cache.STATS - before == Counter()  # all in memory; nothing compiled anywhere
+
+    procs.clear()  # a process that has the DSL already probes at once: no early workers
+    monkeypatch.setattr(_parallel, "_dsl_loaded", lambda: True)
+    _parallel.Compiling(make_jobs, expect=3).result()
+    assert procs == []

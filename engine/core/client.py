@@ -57,8 +57,7 @@ class MultiprocessEngine:
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.args = args
         self.model_dir = model_dir = resolve_model_dir(args.model)
-        self.model_config = mcfg = ModelConfig.from_pretrained(model_dir)
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        self.model_config = mcfg = ModelConfig.from_pretrained(model_dir)  # a bad one: no core
         self._dir = tempfile.mkdtemp(prefix="cuteinfer-core-")
         in_addr = f"ipc://{self._dir}/in"
         out_addr = f"ipc://{self._dir}/out"
@@ -86,6 +85,8 @@ class MultiprocessEngine:
         self.proc.start()
         child.close()
         try:
+            # while the core starts (imports, weights, kernels): the tokenizer (~0.6 s for Qwen3's)
+            self.tokenizer = Tokenizer.from_pretrained(model_dir)
             info = self._wait_ready(parent, start_timeout_s)
         except BaseException:
             self.shutdown(timeout=1.0)

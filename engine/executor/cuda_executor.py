@@ -3,6 +3,10 @@
 Per step: upload the plan's arrays into static device buffers, run the forward (kernel by kernel,
 eagerly; decode steps can replay a captured CUDA graph instead, see ``graphs/``), compute logits
 for the sampled (and prompt-logprob) rows, sample on the GPU, download token ids.
+
+Start-up: the kernels load from the disk cache, and those missing from it compile in worker
+processes, in a background thread (``Kernels.start``) while the context comes up, the memory plan
+is made and the weights upload; the thread is joined before the first launch (graph capture).
 """
 
 from __future__ import annotations
@@ -37,6 +41,36 @@ log = logging.getLogger(__name__)
 class CudaExecutor(Executor):
     def __init__(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool = True) -> None:
         check_supported(ckpt.config, config.block_size)  # before any GPU work; widths are padded
+        t0 = time.perf_counter()
+        # kernels in a background thread (see above); the memory plan needs no compiled kernel,
+        # only decode_attention's split and workspace functions (its import waits for the DSL's)
+        pending = Kernels.start(ckpt.config, show=verbose)
+        try:
+            self._allocate(ckpt, config, verbose)
+            t1 = time.perf_counter()
+            self.kernels = pending.result()
+        except BaseException:
+            pending.cancel()
+            raise
+        done = time.perf_counter()
+        self.compile_s = (pending.ready_at or done) - t0  # start to the last kernel ready
+        self.kernel_wait_s = done - t1  # of it, after the weights and buffers were in place
+        if verbose:
+            log.info("cuda: %s, kernels compiled in %.1fs (waited %.1fs for them after the "
+                     "upload), arena %.2f GiB, KV %d pages (%.2f GiB)", self.ctx.name,
+                     self.compile_s, self.kernel_wait_s, self.arena.capacity / 2**30,
+                     self.num_pages, self.kv_bytes / 2**30)
+        self.graphs: GraphRunner | None = None  # decode steps replay per-bucket graphs
+        self.graph_stats: dict[str, float] = {}
+        if not config.enforce_eager:
+            self.graphs = self.graph_runner()
+            if not self.graphs.lazy:
+                self.graph_stats = self.graphs.capture_all(show=verbose)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _allocate(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool) -> None:
+        """Context, memory plan, arena, weights, static buffers and KV pages: all that needs no
+        compiled kernel."""
         self.ctx = Context.get()
         self.stream = Stream()
         mc = self.mc = ckpt.config
@@ -44,9 +78,6 @@ class CudaExecutor(Executor):
         self.page_size = config.block_size
         self.sizes = s = Sizes.of(mc, config)
         self.scale = mc.head_dim ** -0.5
-        t0 = time.perf_counter()
-        self.kernels = Kernels.compile(mc, show=verbose)
-        self.compile_s = time.perf_counter() - t0
         free, total = self.ctx.mem_info()
         ws = self._workspace_bytes()
         self.num_pages, arena_bytes = plan_num_pages(mc, config, free, total, ws)
@@ -59,18 +90,7 @@ class CudaExecutor(Executor):
         self.v_cache = [self.arena.alloc(kv_shape, BF16, f"v{i}")
                         for i in range(mc.num_hidden_layers)]
         self.kv_bytes = self.num_pages * kv_bytes_per_page(mc, self.page_size)
-        if verbose:
-            log.info("cuda: %s, kernels compiled in %.1fs, arena %.2f GiB, KV %d pages "
-                     "(%.2f GiB)", self.ctx.name, self.compile_s, arena_bytes / 2**30,
-                     self.num_pages, self.kv_bytes / 2**30)
-        self.graphs: GraphRunner | None = None  # decode steps replay per-bucket graphs
-        self.graph_stats: dict[str, float] = {}
-        if not config.enforce_eager:
-            self.graphs = self.graph_runner()
-            if not self.graphs.lazy:
-                self.graph_stats = self.graphs.capture_all(show=verbose)
 
-    # -- set-up ----------------------------------------------------------------------------------
     def _num_splits(self, batch: int, max_context: int) -> int:
         from cutlass_kernels.decode_attention import choose_num_splits
 

@@ -15,9 +15,10 @@ the ``Padded`` widths (cuda_shapes.py), which for an aligned model are its own.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
@@ -31,6 +32,7 @@ from engine.model.reference import cos_sin_table
 from engine.progress import progress
 
 if TYPE_CHECKING:
+    from cutlass_kernels._parallel import Compiling, Job
     from cutlass_kernels.decode_attention import DecodeAttentionLauncher
     from cutlass_kernels.embedding import EmbeddingLauncher
     from cutlass_kernels.gemm import GemmLauncher
@@ -160,43 +162,82 @@ class Kernels:
     def compile(cls, mc: ModelConfig, show: bool = True, workers: int | None = None) -> Kernels:
         """Compile every kernel, or load it from the kernel cache on disk; pages of 16 tokens.
         Kernels missing from the cache compile in up to ``workers`` processes at once
-        (cutlass_kernels/_parallel.py ``compile_all``); ``show``: a progress bar on a terminal."""
-        from cutlass_kernels._parallel import compile_all
-        from cutlass_kernels.decode_attention import compile_decode_attention
-        from cutlass_kernels.embedding import compile_embedding
-        from cutlass_kernels.gemm import compile_gemm
-        from cutlass_kernels.prefill_attention import compile_prefill_attention
-        from cutlass_kernels.rmsnorm import compile_rmsnorm
-        from cutlass_kernels.rope_kv import compile_rope_kv
-        from cutlass_kernels.sampling import compile_logprobs, compile_sampler
-        from cutlass_kernels.silu_mul import compile_silu_mul
+        (cutlass_kernels/_parallel.py); ``show``: a progress bar on a terminal."""
+        return cls.start(mc, show, workers).result()
 
-        pad = Padded.of(mc)  # widths padded to the GEMM tiles; an aligned model's own widths
-        h, nq, nkv, hd = (pad.hidden, mc.num_attention_heads, mc.num_key_value_heads,
-                          mc.head_dim)
-        v, inter = mc.vocab_size, pad.intermediate
-        pdl = {"pdl": envs.pdl_enabled()}
-        # field -> (compile function, args, kwargs); the slowest first: workers take them in order
-        jobs = {
-            "prefill": (compile_prefill_attention, (nq, nkv, hd, 16), {}),
-            "lm_head": (compile_gemm, (pad.vocab, h, "f32"), pdl),  # fp32 logits
-            "qkv": (compile_gemm, (mc.qkv_size, h), pdl),
-            "o": (compile_gemm, (h, mc.q_size), pdl),
-            "gate_up": (compile_gemm, (2 * inter, h), pdl),
-            "down": (compile_gemm, (h, inter), pdl),
-            "decode": (compile_decode_attention, (nq, nkv, hd, 16), {}),
-            "sample": (compile_sampler, (v, pad.vocab), {}),  # reads the first v of pad.vocab
-            "logprobs": (compile_logprobs, (v,), {"row_stride": pad.vocab}),
-            "rope": (compile_rope_kv, (nq, nkv, hd, 16, mc.qk_norm), {}),
-            "embed": (compile_embedding, (h,), {}),
-            # bf16 rows of width h too: the compile cache hands back the embed kernel itself
-            "gather_rows": (compile_embedding, (h,), {}),
-            "norm": (compile_rmsnorm, (h, False, mc.hidden_size), {}),  # mean over the real h
-            "add_norm": (compile_rmsnorm, (h, True, mc.hidden_size), {}),
-            "silu": (compile_silu_mul, (inter,), {}),
-        }
-        with progress(len(jobs), "compiling kernels", enable=show) as bar:
-            return cls(**compile_all(jobs, lambda _name: bar.update(1), workers))
+    @classmethod
+    def start(cls, mc: ModelConfig, show: bool = True, workers: int | None = None
+              ) -> PendingKernels:
+        """``compile`` under way in a background thread (importing the DSL, loading cached
+        kernels, waiting for the worker processes that compile the rest), so the caller can
+        upload weights meanwhile; ``result()`` before the first launch."""
+        from cutlass_kernels._parallel import Compiling
+
+        n = len(dataclasses.fields(cls))
+        bar = progress(n, "compiling kernels", enable=show)
+        return PendingKernels(Compiling(lambda: _jobs(mc), lambda _name: bar.update(1), workers,
+                                        expect=n - 1), bar)  # gather_rows is embed's kernel
+
+
+class PendingKernels:
+    """What ``Kernels.start`` returns: ``result()`` waits for the kernels (and compiles here any
+    that the workers could not); ``cancel()`` when they will not be wanted."""
+
+    def __init__(self, compiling: Compiling, bar: Any) -> None:
+        self._compiling, self._bar = compiling, bar
+
+    @property
+    def ready_at(self) -> float | None:
+        """``time.perf_counter()`` when the last kernel was ready."""
+        return self._compiling.ready_at
+
+    def result(self) -> Kernels:
+        try:
+            return Kernels(**self._compiling.result())
+        finally:
+            self._bar.close()
+
+    def cancel(self) -> None:
+        self._compiling.cancel()
+        self._bar.close()
+
+
+def _jobs(mc: ModelConfig) -> dict[str, Job]:
+    """``Kernels`` field -> (compile function, args, kwargs). Imports the kernel modules (and
+    with them the DSL, most of a warm start): called in ``Compiling``'s thread."""
+    # decode_attention first: the executor's memory plan (in the calling thread) waits for it
+    from cutlass_kernels.decode_attention import compile_decode_attention
+    from cutlass_kernels.embedding import compile_embedding
+    from cutlass_kernels.gemm import compile_gemm
+    from cutlass_kernels.prefill_attention import compile_prefill_attention
+    from cutlass_kernels.rmsnorm import compile_rmsnorm
+    from cutlass_kernels.rope_kv import compile_rope_kv
+    from cutlass_kernels.sampling import compile_logprobs, compile_sampler
+    from cutlass_kernels.silu_mul import compile_silu_mul
+
+    pad = Padded.of(mc)  # widths padded to the GEMM tiles; an aligned model's own widths
+    h, nq, nkv, hd = pad.hidden, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    v, inter = mc.vocab_size, pad.intermediate
+    pdl = {"pdl": envs.pdl_enabled()}
+    # the slowest first: workers take them in order
+    return {
+        "prefill": (compile_prefill_attention, (nq, nkv, hd, 16), {}),
+        "lm_head": (compile_gemm, (pad.vocab, h, "f32"), pdl),  # fp32 logits
+        "qkv": (compile_gemm, (mc.qkv_size, h), pdl),
+        "o": (compile_gemm, (h, mc.q_size), pdl),
+        "gate_up": (compile_gemm, (2 * inter, h), pdl),
+        "down": (compile_gemm, (h, inter), pdl),
+        "decode": (compile_decode_attention, (nq, nkv, hd, 16), {}),
+        "sample": (compile_sampler, (v, pad.vocab), {}),  # reads the first v of pad.vocab
+        "logprobs": (compile_logprobs, (v,), {"row_stride": pad.vocab}),
+        "rope": (compile_rope_kv, (nq, nkv, hd, 16, mc.qk_norm), {}),
+        "embed": (compile_embedding, (h,), {}),
+        # bf16 rows of width h too: the compile cache hands back the embed kernel itself
+        "gather_rows": (compile_embedding, (h,), {}),
+        "norm": (compile_rmsnorm, (h, False, mc.hidden_size), {}),  # mean over the real h
+        "add_norm": (compile_rmsnorm, (h, True, mc.hidden_size), {}),
+        "silu": (compile_silu_mul, (inter,), {}),
+    }
 
 
 class DeviceWeights:
