@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,13 +64,20 @@ class LLMEngine:
         # checked and resolved once: cfg.backend is "numpy" or "cuda", max_model_len an int
         self.config = cfg = args.create_engine_config(mcfg)
         self.backend = cfg.backend
-        self.tokenizer = Tokenizer.from_pretrained(model_dir)
+        # the tokenizer (~0.6 s for Qwen3's) loads while the executor compiles and uploads
+        with ThreadPoolExecutor(1, thread_name_prefix="cuteinfer-tokenizer") as pool:
+            tok = pool.submit(Tokenizer.from_pretrained, model_dir)
+            self.executor, num_pages = create_executor(
+                cfg.backend, load_checkpoint(model_dir, mcfg), cfg)
+            try:
+                self.tokenizer = tok.result()
+            except BaseException:
+                self.executor.shutdown()
+                raise
         eos = list(mcfg.eos_token_ids)
         if self.tokenizer is not None:
             eos += [t for t in self.tokenizer.eos_token_ids if t not in eos]
         self.eos_token_ids = tuple(eos)
-        self.executor, num_pages = create_executor(cfg.backend, load_checkpoint(model_dir, mcfg),
-                                                   cfg)
         try:
             self.block_manager = BlockManager(
                 num_pages, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,

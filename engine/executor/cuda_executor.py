@@ -92,13 +92,13 @@ class CudaExecutor(Executor):
         self.kv_bytes = self.num_pages * kv_bytes_per_page(mc, self.page_size)
 
     def _num_splits(self, batch: int, max_context: int) -> int:
-        from cutlass_kernels.decode_attention import choose_num_splits
+        from cutlass_kernels.decode_plan import choose_num_splits
 
         return choose_num_splits(batch, self.mc.num_key_value_heads, max_context,
                                  self.ctx.num_sms, self.page_size)
 
     def _workspace_bytes(self) -> int:
-        from cutlass_kernels.decode_attention import decode_workspace_bytes
+        from cutlass_kernels.decode_plan import decode_workspace_bytes
 
         mc, s = self.mc, self.sizes
         return max(decode_workspace_bytes(b, mc.num_attention_heads, mc.head_dim,

@@ -205,7 +205,7 @@ class PendingKernels:
 def _jobs(mc: ModelConfig) -> dict[str, Job]:
     """``Kernels`` field -> (compile function, args, kwargs). Imports the kernel modules (and
     with them the DSL, most of a warm start): called in ``Compiling``'s thread."""
-    # decode_attention first: the executor's memory plan (in the calling thread) waits for it
+    # decode_attention first (the slowest import); the memory plan reads decode_plan, no DSL
     from cutlass_kernels.decode_attention import compile_decode_attention
     from cutlass_kernels.embedding import compile_embedding
     from cutlass_kernels.gemm import compile_gemm
