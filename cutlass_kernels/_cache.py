@@ -123,8 +123,10 @@ _SELF = f"{PACKAGE.name}._cache"  # this module changes no kernel (FORMAT versio
 # anywhere in a file (inside functions too). What the AST holds and possibly more (an import
 # quoted in a string only adds a file to the fingerprint), at ~1/50 of ast.parse + ast.walk:
 # fingerprinting a model's kernel modules took 0.12-0.16 s of a warm start that way.
+# (a parenthesized name list may hold comments, and a comment may hold ")")
 _IMPORTS = re.compile(rb"(?<![\w.])(?:from[ \t]+(\.*[\w.]*)[ \t]+import[ \t]*"
-                      rb"(\([^)]*\)|(?:[^\n\\;]|\\\n)*)|import[ \t]+((?:[^\n\\;]|\\\n)*))")
+                      rb"(\((?:[^)#]|#[^\n]*)*\)|(?:[^\n\\;]|\\\n)*)"
+                      rb"|import[ \t]+((?:[^\n\\;]|\\\n)*))")
 
 
 def _names(text: bytes) -> list[str]:
