@@ -55,7 +55,24 @@ def resolve_model_dir(model: str) -> Path:
     return resolve_model(model)
 
 
-class LLMEngine:
+class OutputViews:
+    """The renderings of a request, from the engine's output processor (shared by LLMEngine and
+    the two-process engine's front end, engine.core.client.MultiprocessEngine)."""
+
+    output_processor: OutputProcessor
+
+    def visible_text(self, req: Request) -> str:
+        return self.output_processor.visible_text(req)
+
+    def output(self, req: Request) -> RequestOutput:
+        return self.output_processor.output(req)
+
+    def delta(self, req: Request) -> RequestDelta:
+        """What ``req`` added since the last call (its consumer's cursor)."""
+        return self.output_processor.delta(req)
+
+
+class LLMEngine(OutputViews):
     def __init__(self, args: EngineArgs, process_outputs: bool = True) -> None:
         """``process_outputs=False``: the engine core process (engine/core), whose front end
         detokenizes and finds stop strings itself: no text here."""
@@ -180,14 +197,3 @@ class LLMEngine:
                 "kv_stats": self.block_manager.stats(), "steps": st.steps,
                 "eager_steps": st.eager_steps, "graph_steps": st.graph_steps,
                 "failed_steps": st.failed_steps, "tokens": st.tokens}
-
-    # -- outputs ---------------------------------------------------------------------------------
-    def visible_text(self, req: Request) -> str:
-        return self.output_processor.visible_text(req)
-
-    def output(self, req: Request) -> RequestOutput:
-        return self.output_processor.output(req)
-
-    def delta(self, req: Request) -> RequestDelta:
-        """What ``req`` added since the last call (its consumer's cursor)."""
-        return self.output_processor.delta(req)

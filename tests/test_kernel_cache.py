@@ -394,9 +394,8 @@ def test_the_executor_uploads_while_the_workers_compile(cache: Path,
     assert ex.compile_s > 0
 
 
-def test_a_failed_start_kills_the_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.cuda.driver import CudaError
-
+def _record_workers(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen]:
+    """Every worker process compile_all starts, in order."""
     procs: list[subprocess.Popen] = []
     real = subprocess.Popen
 
@@ -405,6 +404,13 @@ def test_a_failed_start_kills_the_workers(cache: Path, monkeypatch: pytest.Monke
         return procs[-1]
 
     monkeypatch.setattr(_parallel.subprocess, "Popen", popen)
+    return procs
+
+
+def test_a_failed_start_kills_the_workers(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.cuda.driver import CudaError
+
+    procs = _record_workers(monkeypatch)
 
     def out_of_memory(self, ckpt, config, verbose) -> None:
         deadline = time.monotonic() + 60
@@ -424,14 +430,7 @@ def test_a_failed_start_kills_the_workers(cache: Path, monkeypatch: pytest.Monke
 
 def test_with_cores_to_spare_the_workers_start_before_the_probe(
         cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    procs: list[subprocess.Popen] = []
-    real = subprocess.Popen
-
-    def popen(*args, **kwargs) -> subprocess.Popen:
-        procs.append(real(*args, **kwargs))
-        return procs[-1]
-
-    monkeypatch.setattr(_parallel.subprocess, "Popen", popen)
+    procs = _record_workers(monkeypatch)
     monkeypatch.setattr(_parallel, "_cpus", lambda: 8)  # 3 workers fit beside the caller
     monkeypatch.setattr(_parallel, "_dsl_loaded", lambda: False)  # as in a fresh process
     jobs = {f"j{w}": (compile_silu_mul, (w,), {}) for w in (288, 296, 304)}

@@ -2,6 +2,7 @@
 # bash tools/gpu_serve_bench.sh PRESET (a warm call with .whl, and .tok for the Qwen3 tokenizer: CUTEINFER_QWEN3_TOKENIZER):
 # server ready time, serving (text and ids), offline LLM.generate, replay
 set -uo pipefail
+source "$(dirname "$0")/gpu_lib.sh"
 P=$1; PORT=8321; export PYTHONUNBUFFERED=1
 CK=/tmp/ck_$P
 [ -f $CK/config.json ] || python3 -m tools.make_checkpoint --preset $P --out $CK --max-shard-size 8 --tokenizer 2>&1 | tail -1
@@ -9,9 +10,7 @@ t0=$(date +%s.%N)
 python3 -m engine.cli serve --model $CK --backend cuda --max-num-seqs 64 --max-model-len 1024 \
   --port $PORT > "$OUT/serve_$P.log" 2>&1 &
 spid=$!
-for i in $(seq 1 600); do
-  python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health')" 2>/dev/null && break; sleep 0.1
-done
+wait_health $PORT 90
 t1=$(date +%s.%N); echo "$P server ready in $(python3 -c "print(round($t1-$t0,2))") s"
 for kind in words ids; do
   timeout 200 python3 -m tools.bench_serving --base-url http://127.0.0.1:$PORT --random-input-len 128 \

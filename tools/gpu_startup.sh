@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bash tools/gpu_startup.sh (the SmolLM2 GGUF in /tmp/smol.part.*): the embedded default model (SmolLM2 GGUF): generate warm and cold; 8b cold server start
 set -uo pipefail
+source "$(dirname "$0")/gpu_lib.sh"
 export PYTHONUNBUFFERED=1
 cat /tmp/smol.part.0* > /tmp/smol.gguf && ls -la /tmp/smol.gguf
 export CUTEINFER_SMOLLM2_GGUF=/tmp/smol.gguf
@@ -17,7 +18,7 @@ if [ -f /tmp/ck_qwen3-8b/config.json ]; then
   rm -rf "$K"; t0=$(date +%s.%N)
   python3 -m engine.cli serve --model /tmp/ck_qwen3-8b --backend cuda --max-num-seqs 64 --max-model-len 1024 --port 8322 > "$OUT/serve_cold.log" 2>&1 &
   spid=$!
-  for i in $(seq 1 600); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8322/health')" 2>/dev/null && break; sleep 0.1; done
+  wait_health 8322 90
   t1=$(date +%s.%N); echo "qwen3-8b server ready (cold kernel cache) in $(python3 -c "print(round($t1-$t0,2))") s"
   kill -INT $spid; wait $spid
 fi

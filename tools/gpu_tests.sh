@@ -7,6 +7,7 @@
 #   TEST_GROUPS="gemm attention" BENCH=0 bash tools/gpu_tests.sh
 #   BENCH_PRESETS="qwen3-0.6b qwen3-8b" BENCH_BATCHES=1,8,64 bash tools/gpu_tests.sh
 set -uo pipefail
+source "$(dirname "$0")/gpu_lib.sh"
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"; export OUT
 LOGS=$(mktemp -d)
@@ -74,9 +75,7 @@ if [ "${SERVE_BENCH:-0}" = "1" ]; then  # the OpenAI server on a qwen3-8b-shaped
   python3 -m engine.cli serve --model /tmp/serve_ckpt --backend cuda --max-num-seqs 64 \
     --max-model-len 1024 --port 8321 > "$OUT/serve.log" 2>&1 &
   spid=$!
-  for i in $(seq 1 150); do
-    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8321/health')" 2>/dev/null && break; sleep 1
-  done
+  wait_health 8321 150
   timeout "${SERVE_BENCH_TIMEOUT:-200}" python3 -m tools.bench_serving \
     --base-url http://127.0.0.1:8321 --random-input-len 128 --random-output-len 256 \
     --num-prompts "${SERVE_PROMPTS:-320}" --max-concurrency 64 --ignore-eos \

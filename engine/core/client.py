@@ -34,10 +34,9 @@ import zmq
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.core.messages import ABORT, ADD, SHUTDOWN, CoreStep, encode_commands
-from engine.engine import resolve_model_dir
+from engine.engine import OutputViews, resolve_model_dir
 from engine.input_processor import InputProcessor, RequestError
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestDelta, RequestOutput
 from engine.request import FinishReason, Logprob, Request
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -52,7 +51,7 @@ class EngineCoreDeadError(RuntimeError):
     """The engine core process exited or never started."""
 
 
-class MultiprocessEngine:
+class MultiprocessEngine(OutputViews):
     def __init__(self, args: EngineArgs, fault: str | None = None,
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
         self.args = args
@@ -255,16 +254,6 @@ class MultiprocessEngine:
             self._dead = f"the engine core process exited (status {self.proc.exitcode})"
         if self._dead is not None:
             raise EngineCoreDeadError(self._dead)
-
-    # -- outputs ---------------------------------------------------------------------------------
-    def visible_text(self, req: Request) -> str:
-        return self.output_processor.visible_text(req)
-
-    def output(self, req: Request) -> RequestOutput:
-        return self.output_processor.output(req)
-
-    def delta(self, req: Request) -> RequestDelta:
-        return self.output_processor.delta(req)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
