@@ -20,6 +20,8 @@ import sys
 import traceback
 from typing import NoReturn, TextIO
 
+from engine import __version__
+
 # subcommand -> (module, help). Each module defines add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("engine.commands.generate", "generate text with a model (default: SmolLM2-135M)"),
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str], command: str | None) -> int:
     parser = _Parser(prog="cuteinfer", description=__doc__.split("\n\n")[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    parser.add_argument("-v", "--version", action="version", version=__version__,
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text)

@@ -368,10 +368,12 @@ class EngineConfig:
 
     model: str
     backend: str  # "numpy" | "cuda" (engine.executor.registry.BACKENDS)
+    tensor_parallel_size: int  # ranks the model is split over (engine/parallel/plan.py)
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int  # 0 = no cap
+    mixed_prefill_tokens: int  # prompt tokens per step while others decode; 0 = no cap
     block_size: int
     enable_prefix_caching: bool
     num_gpu_blocks_override: int | None  # None: profile (cuda) or size the pool (numpy)

@@ -20,12 +20,14 @@ from pathlib import Path
 
 import numpy as np
 
+from engine import envs
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.executor.base import ExecutorError
 from engine.executor.registry import create_executor
 from engine.input_processor import InputProcessor, RequestError, check_text
 from engine.kv import BlockManager
+from engine.logits_processors import LogitsProcessorState, ProcessorError
 from engine.model.loader import load_checkpoint
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, RequestOutput
@@ -111,6 +113,9 @@ class LLMEngine(OutputViews):
         self.process_outputs = process_outputs
         self.output_processor = OutputProcessor(self.tokenizer if process_outputs else None,
                                                 self.scheduler.finish)
+        # logits processors and structured output (engine/logits_processors.py)
+        self.processors = LogitsProcessorState(self.tokenizer, mcfg.vocab_size,
+                                               self.eos_token_ids, cfg.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
@@ -118,6 +123,8 @@ class LLMEngine(OutputViews):
         self.stats = StepStats()
         # test-only hook: called with the step's SchedulerOutput before it runs; raising fails it
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        trace = envs.step_trace_path()  # one line per step (CUTEINFER_STEP_TRACE), or None
+        self._trace = None if trace is None else open(trace, "a", buffering=1 << 16)  # noqa: SIM115
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -130,6 +137,10 @@ class LLMEngine(OutputViews):
         req = Request(rid, ids, params, seed, next(self._arrival), prompt=text, salt=salt,
                       eos_token_ids=self.eos_token_ids, max_model_len=self.config.max_model_len)
         req.metrics["arrival"] = time.perf_counter()
+        try:
+            self.processors.attach(req)
+        except ProcessorError as e:
+            raise RequestError(str(e)) from None
         if params.prompt_logprobs is not None:
             req.prompt_logprobs.append(None)
         self.requests[rid] = req
@@ -165,6 +176,17 @@ class LLMEngine(OutputViews):
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one step. Returns the requests whose state changed (new tokens or finished)."""
+        if self._trace is None:
+            return self._step()
+        t0 = time.perf_counter()
+        changed = self._step()
+        st = self.stats
+        self._trace.write(f"{t0:.6f} {time.perf_counter():.6f} {st.steps} {st.tokens} "
+                          f"{st.graph_steps} {len(self.scheduler.running)} "
+                          f"{len(self.scheduler.waiting)}\n")
+        return changed
+
+    def _step(self) -> list[Request]:
         out = self.scheduler.schedule()
         if not out.seqs:
             return list(out.refused)
@@ -173,18 +195,21 @@ class LLMEngine(OutputViews):
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(out)
-                step = self.executor.execute(build_batch(out))
+                step = self.executor.execute(build_batch(out, self.processors))
             except Exception as e:  # fail this step's requests (or rows) only; keep serving
                 rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
                 error = f"{type(e).__name__}: {e}"
         if error is not None:
             self.stats.failed_steps += 1
+            self.processors.step_failed(out)  # device slot state is rebuilt on next use
             return self.scheduler.fail_step(out, rows, error)
         self.stats.steps += 1
         self.stats.tokens += out.num_tokens
         self.stats.graph_steps += int(step.graph)
         self.stats.eager_steps += int(not step.graph)
         changed = self.scheduler.update_from_output(out, step)
+        self.processors.after_step(out, self.scheduler.finish, FinishReason.STOP,
+                                   FinishReason.ERROR)  # matchers take the sampled tokens
         if self.process_outputs:
             self.output_processor.process(changed)
         return changed

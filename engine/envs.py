@@ -15,6 +15,10 @@ Each variable has a function here; the rest of the engine calls the function, ne
   kernels are kept under ``<cache root>/kernels``, cutlass_kernels/_cache.py).
 - ``CUTEINFER_COMPILE_WORKERS``: processes that compile missing kernels in parallel (default: one
   per CPU core, at most one per kernel; ``1`` compiles in the calling process).
+- ``CUTEINFER_API_KEY``: the server's API key(s), comma-separated, when no ``--api-key`` is given
+  (vLLM's ``VLLM_API_KEY``).
+- ``CUTEINFER_STEP_TRACE``: a file path; each engine step appends one line to it (start and end
+  times, tokens, sequences, graph or eager), for tools that break serving time down.
 """
 
 from __future__ import annotations
@@ -35,6 +39,17 @@ def cache_dir() -> Path:
         return explicit
     xdg = _path("XDG_CACHE_HOME")
     return (xdg if xdg is not None else Path.home() / ".cache") / "cuteinfer"
+
+
+def step_trace_path() -> Path | None:
+    """Where each step appends its trace line (``CUTEINFER_STEP_TRACE``), or None."""
+    return _path("CUTEINFER_STEP_TRACE")
+
+
+def api_keys() -> str | None:
+    """``CUTEINFER_API_KEY``: the server's API key(s), comma-separated; None when unset."""
+    value = os.environ.get("CUTEINFER_API_KEY", "").strip()
+    return value or None
 
 
 def smollm2_gguf_override() -> Path | None:

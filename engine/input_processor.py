@@ -86,6 +86,13 @@ class InputProcessor:
             raise RequestError(f"sampling_params must be SamplingParams, got "
                                f"{type(params).__name__}")
         params = params.with_defaults(self.sampling_defaults)
+        if params.has_processors:  # token ids in the vocabulary, a tokenizer where needed
+            from engine.logits_processors import ProcessorError, check_params
+
+            try:
+                check_params(params, self.vocab_size, self.tokenizer)
+            except ProcessorError as e:
+                raise RequestError(str(e)) from None
         ids, text = self.encode(prompt)
         vocab, mml = self.vocab_size, self.max_model_len
         if not ids:

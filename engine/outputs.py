@@ -24,12 +24,16 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # cumulative
     num_cached_tokens: int = 0
+    # the prompt's logprobs (when asked for), once: on the delta where the prompt is computed
+    prompt_logprobs: list[LogprobDict | None] | None = None
 
     def merge(self, later: RequestDelta) -> RequestDelta:
         """This delta followed by ``later``, as one."""
         lps = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        plps = self.prompt_logprobs if later.prompt_logprobs is None else later.prompt_logprobs
         return replace(later, text=self.text + later.text,
-                       token_ids=self.token_ids + later.token_ids, logprobs=lps)
+                       token_ids=self.token_ids + later.token_ids, logprobs=lps,
+                       prompt_logprobs=plps)
 
 
 @dataclass

@@ -18,10 +18,13 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 from engine.sampling_params import SamplingParams
 from engine.step import pack_sampling_row
+
+if TYPE_CHECKING:
+    from engine.logits_processors import RequestProcessors
 
 
 class RequestStatus(enum.Enum):
@@ -75,6 +78,8 @@ class Request:
     cumulative_logprob: float = 0.0
     text: str = ""  # output text (stop strings removed); the output processor writes it
     metrics: dict[str, float] = field(default_factory=dict)
+    # logits processors (engine/logits_processors.py): None unless the params ask for one
+    procs: RequestProcessors | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.token_ids = TokenIds(self)
@@ -82,6 +87,7 @@ class Request:
     def __getstate__(self) -> dict[str, object]:  # copy / pickle: the copy gets its own view
         state = self.__dict__.copy()
         del state["token_ids"]
+        state["procs"] = None  # device slots and matchers belong to the engine's state
         return state
 
     def __setstate__(self, state: dict[str, object]) -> None:
@@ -138,6 +144,9 @@ class Request:
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.error = error
+        if self.procs is not None:  # its processor slot and matcher are free again
+            self.procs.release()
+            self.procs = None
 
 
 class TokenIds(Sequence[int]):

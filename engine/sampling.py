@@ -9,7 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.step import Logprobs
+from engine.step import (
+    FLAG_ALLOWED,
+    FLAG_GRAMMAR,
+    FLAG_PENALTY,
+    FLAG_SPARSE,
+    Logprobs,
+    ProcessorRows,
+    SlotInit,
+)
 
 _M1 = np.uint32(0x7FEB352D)
 _M2 = np.uint32(0x846CA68B)
@@ -133,3 +141,76 @@ def compute_logprobs(logits: np.ndarray, token_ids: np.ndarray, n: int) -> Logpr
         top_lp = np.zeros((lp.shape[0], 0), np.float32)
     return Logprobs(token_logprob=tok.astype(np.float32), token_rank=rank, top_ids=top,
                     top_logprobs=top_lp.astype(np.float32))
+
+
+# ---- logits processors (engine/logits_processors.py): the reference the GPU kernel matches ----
+
+
+class SlotState:
+    """The per-request processor state a device keeps in its slots, in numpy (the numpy
+    executor's, and the GPU tests' oracle): output counts, counted, last, prompt and allowed
+    bits per slot (``engine.step.SlotInit``)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.counts: dict[int, np.ndarray] = {}  # int32 [V]
+        self.counted: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.prompt: dict[int, np.ndarray] = {}  # bool [V]
+        self.allowed: dict[int, np.ndarray | None] = {}  # bool [V]
+
+    def init(self, inits: list[SlotInit]) -> None:
+        from engine.logits_processors import bits_to_mask
+
+        v = self.vocab_size
+        for it in inits:
+            s = it.slot
+            self.counts[s] = np.bincount(it.output_ids, minlength=v).astype(np.int32)[:v]
+            self.counted[s] = int(it.output_ids.size)
+            self.last[s] = int(it.output_ids[-1]) if it.output_ids.size else -1
+            self.prompt[s] = bits_to_mask(it.prompt_bits, v)
+            self.allowed[s] = None if it.allowed_bits is None else \
+                bits_to_mask(it.allowed_bits, v)
+
+    def count(self, rows: ProcessorRows, steps: np.ndarray, tokens: np.ndarray) -> None:
+        """After sampling: a penalized row's token joins its slot's counts, once per step."""
+        for r in np.nonzero(rows.flags & FLAG_PENALTY)[0]:
+            s, step, tok = int(rows.slot[r]), int(steps[r]), int(tokens[r])
+            if self.counted[s] == step:
+                self.counts[s][tok] += 1
+                self.counted[s] = step + 1
+                self.last[s] = tok
+
+
+def process_logits(logits: np.ndarray, rows: ProcessorRows, steps: np.ndarray,
+                   state: SlotState) -> tuple[np.ndarray, np.ndarray]:
+    """(processed logits, logits after the grammar mask only: what logprobs are of), float32
+    [S, V]. The order and float32 arithmetic of cutlass_kernels/logits_process.py."""
+    from engine.logits_processors import bits_to_mask
+
+    x = np.array(logits, np.float32)
+    v = x.shape[1]
+    for r in np.nonzero(rows.flags & FLAG_GRAMMAR)[0]:
+        keep = bits_to_mask(rows.grammar_mask[rows.grammar_row[r]], v)
+        x[r, ~keep] = -np.inf
+    raw = x.copy()
+    for r in np.nonzero(rows.flags)[0]:
+        f, xr = int(rows.flags[r]), x[r]
+        if f & FLAG_SPARSE:
+            lo, hi = rows.sparse_start[r], rows.sparse_start[r + 1]
+            ids = rows.sparse_ids[lo:hi]
+            xr[ids] = xr[ids] + rows.sparse_vals[lo:hi]
+        s = int(rows.slot[r])
+        if f & FLAG_ALLOWED:
+            xr[~state.allowed[s]] = -np.inf
+        if f & FLAG_PENALTY:
+            cnt = state.counts[s].copy()
+            if state.counted[s] == int(steps[r]) + 1:  # this step's own token: not yet counted
+                cnt[state.last[s]] -= 1
+            out = cnt > 0
+            rp, fp, pp = (np.float32(p) for p in rows.penalties[r])
+            seen = out | state.prompt[s]
+            xr[seen] = np.where(xr[seen] > 0, xr[seen] / rp, xr[seen] * rp)
+            xr[out] = xr[out] - fp * cnt[out].astype(np.float32)
+            xr[out] = xr[out] - pp
+    return x, raw

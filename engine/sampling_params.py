@@ -34,6 +34,15 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024  # characters
 MAX_STOP_TOKEN_IDS = 1024
+# Logits processors (engine/logits_processors.py): sizes bounded for the same reason, and so the
+# per-step device lists stay within their start-up buffers.
+MAX_LOGIT_BIAS = 1024  # entries
+LOGIT_BIAS_LIMIT = 100.0  # |bias| is clamped to this, as vLLM's OpenAI server does
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_LEN = 256  # characters
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's and vLLM's range)
+MAX_REPETITION_PENALTY = 100.0
 # vLLM's rule: a temperature below this is greedy (1e-40 would be 0 or inf in float32).
 GREEDY_TEMPERATURE = 1e-5
 # Top-p below this keeps exactly the top token for any vocabulary under 10^8 tokens (the top
@@ -77,6 +86,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = 1
+    # logits processors, vLLM's names and semantics (engine/logits_processors.py)
+    presence_penalty: float = 0.0  # -= p for every token that the output holds
+    frequency_penalty: float = 0.0  # -= f * (times the output holds the token)
+    repetition_penalty: float = 1.0  # prompt + output tokens: logit / r if > 0 else logit * r
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids masked until this many tokens are out
+    bad_words: list[str] | None = None  # never generated (each word's tokens, as vLLM)
+    allowed_token_ids: list[int] | None = None  # only these may be generated
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strs: list[str] = field(init=False, default_factory=list)
     unset: frozenset[str] = field(init=False, default=frozenset(), repr=False, compare=False)
 
@@ -86,12 +104,7 @@ class SamplingParams:
         for k in unset:
             setattr(self, k, BUILTIN_DEFAULTS[k])
         self.unset = frozenset(unset)
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v: object) -> bool:
-            return isinstance(v, int | float) and not isinstance(v, bool)
-
+        is_int, is_num = _is_int, _is_num
         if self.n != 1:
             raise SamplingParamsError("n", f"only n=1 is supported, got {self.n!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
@@ -154,6 +167,68 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        """The logits processors' fields: types, ranges and bounded sizes (vocabulary bounds
+        are the input processor's: it knows the vocabulary)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise SamplingParamsError(name, f"must be a number in [-{MAX_PENALTY}, "
+                                          f"{MAX_PENALTY}], got {v!r}")
+            setattr(self, name, float(v))
+        rp = self.repetition_penalty
+        if not _is_num(rp) or not 0.0 < rp <= MAX_REPETITION_PENALTY:
+            raise SamplingParamsError("repetition_penalty", f"must be a number in (0, "
+                                      f"{MAX_REPETITION_PENALTY}] (1 = off), got {rp!r}")
+        self.repetition_penalty = float(rp)
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise SamplingParamsError("min_tokens", f"must be an integer >= 0, got "
+                                      f"{self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamsError("min_tokens", f"must be <= max_tokens ({self.max_tokens}),"
+                                      f" got {self.min_tokens}")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.bad_words is not None:
+            bw = self.bad_words
+            if not isinstance(bw, list | tuple) or not all(isinstance(w, str) for w in bw):
+                raise SamplingParamsError("bad_words", f"must be a list of strings, got {bw!r:.80}")
+            if len(bw) > MAX_BAD_WORDS:
+                raise SamplingParamsError("bad_words", f"at most {MAX_BAD_WORDS} words, got "
+                                          f"{len(bw)}")
+            if any(not w.strip() or len(w) > MAX_BAD_WORD_LEN for w in bw):
+                raise SamplingParamsError("bad_words", "each word must be non-blank and have at "
+                                          f"most {MAX_BAD_WORD_LEN} characters")
+            self.bad_words = list(bw)
+        if self.allowed_token_ids is not None:
+            a = self.allowed_token_ids
+            if not isinstance(a, list | tuple) or not all(_is_int(t) and t >= 0 for t in a):
+                raise SamplingParamsError("allowed_token_ids", "must be a list of non-negative "
+                                          f"integers, got {a!r:.80}")
+            if not a or len(a) > MAX_ALLOWED_TOKEN_IDS:
+                raise SamplingParamsError("allowed_token_ids", f"must hold 1 to "
+                                          f"{MAX_ALLOWED_TOKEN_IDS} ids, got {len(a)}")
+            self.allowed_token_ids = list(a)
+        so = self.structured_outputs
+        if isinstance(so, dict):  # as vLLM's extra_body sends it
+            try:
+                so = StructuredOutputsParams(**so)
+            except TypeError as e:
+                raise SamplingParamsError("structured_outputs", str(e)) from None
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "must be StructuredOutputsParams, "
+                                      f"got {type(so).__name__}")
+        self.structured_outputs = so
+
+    @property
+    def has_processors(self) -> bool:
+        """Any logits processor is on (the step builder skips the rest for the common case)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
+                    or self.bad_words or self.allowed_token_ids is not None
+                    or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:
@@ -167,6 +242,88 @@ class SamplingParams:
         keep = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         keep.update({k: None for k in self.unset}, **apply)
         return SamplingParams(**keep)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: object) -> bool:
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past float's range
+        return False
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    """token id -> bias; ids may be strings of digits (OpenAI's JSON keys); values clamped to
+    [-100, 100] as vLLM does."""
+    if not isinstance(bias, dict):
+        raise SamplingParamsError("logit_bias", f"must be a dict of token id -> number, got "
+                                  f"{type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise SamplingParamsError("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got "
+                                  f"{len(bias)}")
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        tok = int(k) if isinstance(k, str) and k.isdigit() and len(k) < 12 else k
+        if not _is_int(tok) or tok < 0:
+            raise SamplingParamsError("logit_bias", f"keys must be token ids (integers >= 0), "
+                                      f"got {k!r:.40}")
+        if not _is_num(v):
+            raise SamplingParamsError("logit_bias", f"values must be finite numbers, got "
+                                      f"{v!r:.40} for token {tok}")
+        out[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
+    return out
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured output request: exactly one of ``json`` (a JSON schema, as a dict or
+    its text), ``regex``, ``choice`` (one of these strings), ``grammar`` (a Lark grammar, as
+    llguidance reads it) or ``json_object=True`` (any JSON object). ``whitespace_pattern``: a
+    regex for the whitespace JSON may hold; by default JSON is written compactly with ``", "``
+    and ``": "`` separators (``disable_any_whitespace``: with ``","`` and ``":"``).
+
+    ``grammar_text`` is what llguidance compiles: built and checked here (no tokenizer needed),
+    so a bad schema is a SamplingParamsError naming the field when the request is made."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    grammar_text: str = field(init=False, default="", repr=False)
+
+    def __post_init__(self) -> None:
+        from engine.structured.grammar import GrammarError, grammar_text
+
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object not in (None, False, True):
+            raise SamplingParamsError("structured_outputs.json_object", "must be a bool")
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise SamplingParamsError("structured_outputs", "set exactly one of json, regex, "
+                                      f"choice, grammar, json_object; got {kinds or 'none'}")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise SamplingParamsError("structured_outputs.whitespace_pattern", "must be a string")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise SamplingParamsError("structured_outputs.disable_any_whitespace",
+                                      "must be a bool")
+        try:
+            self.grammar_text = grammar_text(self)
+        except GrammarError as e:
+            raise SamplingParamsError(f"structured_outputs.{kinds[0]}", str(e)) from None
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
 
 
 _warned: set[str] = set()
@@ -194,7 +351,8 @@ def resolve_generation_defaults(given: Mapping[str, float | int]) -> dict[str, f
             out[name] = value
         elif name in UNSUPPORTED_DEFAULTS and value != UNSUPPORTED_DEFAULTS[name]:
             _log_once(logging.WARNING, "the model's generation_config.json sets %s=%r, which "
-                      "cuteinfer does not support: that default is ignored", name, value)
+                      "cuteinfer does not take as a default: that default is ignored (a "
+                      "request may still set it)", name, value)
     if out:
         _log_once(logging.INFO, "default sampling parameters from the model's "
                   "generation_config.json: %s (request fields override them; "

@@ -139,6 +139,14 @@ class Scheduler:
         preempted: list[Request] = []
         bm = self.bm
         append_slots, table = bm.append_slots, bm.page_table_view
+        # prompt tokens this step may compute: all of the budget, or mixed_prefill_tokens when
+        # a running request decodes (its next token waits for this step)
+        pbudget = budget
+        if cfg.mixed_prefill_tokens and cfg.enable_chunked_prefill:
+            for r in self.running:  # the first is nearly always decoding: one look
+                if r.num_computed_tokens >= r.num_prompt_tokens:
+                    pbudget = min(budget, cfg.mixed_prefill_tokens)
+                    break
 
         # Running requests first: a decode token each, or the next chunk. Preemption only ever
         # removes the list's tail (it ends the loop there), so iterating the list itself is safe.
@@ -150,8 +158,14 @@ class Scheduler:
             n = total - start  # min(total - start, budget, cap), without the call
             if n > budget:
                 n = budget
-            if n > cap:
-                n = cap
+            if n > 1:  # a prefill chunk (or a preempted request's recompute)
+                if n > cap:
+                    n = cap
+                if n > pbudget:
+                    n = pbudget
+                    if n <= 0:
+                        continue  # keeps its pages; the next step goes on
+                pbudget -= n
             try:
                 slots = append_slots(rid, n)
             except OutOfPagesError:
@@ -164,7 +178,8 @@ class Scheduler:
                 self._prompt_logprob_positions(req, start, n)))
             budget -= n
 
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while (self.waiting and budget > 0 and pbudget > 0
+               and len(self.running) < cfg.max_num_seqs):
             req = self.waiting[0]
             tokens = req.all_token_ids
             use_cache = cfg.prompt_logprobs_prefix_cache or not (
@@ -174,7 +189,7 @@ class Scheduler:
             # pages from before a preemption (their prompt logprobs exist already)
             cached = bm.num_cached_prefix_tokens(tokens, salt)
             remaining = len(tokens) - cached
-            n = min(remaining, budget, cap)
+            n = min(remaining, budget, cap, pbudget)
             if n < remaining and not cfg.enable_chunked_prefill:
                 break
             need = bm.pages_needed_for_new(tokens, salt, num_new_tokens=n)
@@ -197,6 +212,7 @@ class Scheduler:
                 page_table=table(req.request_id),
                 prompt_logprob_positions=self._prompt_logprob_positions(req, cached, n)))
             budget -= n
+            pbudget -= n
         return seqs, preempted
 
     def _preempt_until_fits(self, req: Request, n: int,

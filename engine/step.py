@@ -15,6 +15,7 @@ import numpy as np
 if TYPE_CHECKING:
     from array import array
 
+    from engine.logits_processors import LogitsProcessorState
     from engine.request import Request
     from engine.sampling_params import SamplingParams
     from engine.scheduler import SchedulerOutput
@@ -50,6 +51,8 @@ class StepBatch:
     prompt_logprob_targets: np.ndarray = field(
         default_factory=lambda: np.zeros(0, np.int32))  # int32 [P] the actual next token
     prompt_num_logprobs: int = 0  # top-n for prompt rows (max over requests in the step)
+    # --- logits processors of the sample rows; None when no row has one (the common case) ---
+    procs: ProcessorRows | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +70,48 @@ class StepBatch:
     def is_decode(self) -> bool:
         """Every sequence adds exactly one token (a graph-replayable step)."""
         return self.num_tokens == self.num_seqs and self.num_seqs > 0
+
+
+# ProcessorRows.flags: which processors a sample row runs, in this order (vLLM's: the grammar
+# mask, then logprobs' copy of the row, then allowed ids, bad words, min_tokens and logit_bias,
+# then the penalties; masking to -inf commutes with adding a finite bias, so the kernel takes
+# the sparse adds before the dense pass)
+FLAG_GRAMMAR = 1  # the row's grammar bitmask: disallowed tokens -> -inf
+FLAG_SAVE_RAW = 2  # keep the row as it is after the grammar mask: its logprobs are of that
+FLAG_SPARSE = 4  # logits[ids] += vals (logit_bias; -inf for bad words and min_tokens' stops)
+FLAG_ALLOWED = 8  # the slot's allowed_token_ids bitmask
+FLAG_PENALTY = 16  # repetition / frequency / presence from the slot's counts and prompt bits
+
+
+@dataclass
+class SlotInit:
+    """(Re)start a device slot of per-request processor state: a slot holds a request's output
+    token counts (``counts[V]``, ``counted`` = how many outputs they hold, ``last`` = the latest
+    counted token), its prompt's token bitmask and its allowed-token bitmask."""
+
+    slot: int
+    prompt_bits: np.ndarray  # uint32 [W]
+    allowed_bits: np.ndarray | None  # uint32 [W]; None: no allowed_token_ids
+    output_ids: np.ndarray  # int32: the outputs generated before (counted at init)
+
+
+@dataclass
+class ProcessorRows:
+    """The logits processors of one step's S sample rows (W = ceil(V / 32) bitmask words).
+
+    The counts of a slot advance on the device, with the token sampled for it: a step that
+    samples row r for slot s counts it once (``counted[s] == sample_steps[r]``), so running the
+    same step twice (a graph replay of an eager step, a retried step) sees the same counts."""
+
+    flags: np.ndarray  # uint32 [S] FLAG_* bits (0: the row is untouched)
+    slot: np.ndarray  # int32 [S] device state slot (-1: none)
+    penalties: np.ndarray  # float32 [S, 3] repetition, frequency, presence
+    grammar_row: np.ndarray  # int32 [S] row of grammar_mask (-1: none)
+    grammar_mask: np.ndarray  # uint32 [G, W] allowed-token bits of the constrained rows
+    sparse_start: np.ndarray  # int32 [S + 1] row r's entries: sparse_start[r]:sparse_start[r+1]
+    sparse_ids: np.ndarray  # int32 [K] token ids (unique within a row)
+    sparse_vals: np.ndarray  # float32 [K] added to the logit (-inf bans the token)
+    inits: list[SlotInit] = field(default_factory=list)  # applied before the step
 
 
 @dataclass
@@ -101,13 +146,15 @@ def pack_sampling_row(params: SamplingParams, seed: int) -> bytes:
                      seed), SAMPLING_ROW).tobytes()
 
 
-def build_batch(out: SchedulerOutput) -> StepBatch:
+def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None) -> StepBatch:
     """Flatten a step's scheduled requests into the executor's arrays (a pure function).
 
     One Python pass gathers what is per sequence (a plain loop: in CPython 3.11 it beats
     ``map(attrgetter)`` 2x on slotted records); numpy does the rest. Page tables and sampling
     rows are stored packed and joined as bytes, so no page id or sampling parameter is
     converted per step. A decode step (one token per sequence) needs no cumulative sums.
+    ``procs``: the engine's logits processor state, for the sample rows' processors (nothing
+    while no live request has one).
     """
     seqs = out.seqs
     b = len(seqs)
@@ -183,4 +230,5 @@ def build_batch(out: SchedulerOutput) -> StepBatch:
         prompt_logprob_idx=np.array(pl_idx, np.int32),
         prompt_logprob_targets=np.array(pl_tgt, np.int32),
         prompt_num_logprobs=pl_n,
+        procs=procs.prepare(sample_reqs) if procs is not None and procs.active else None,
     )

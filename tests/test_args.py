@@ -39,12 +39,14 @@ def test_every_option_has_help_and_every_config_field_an_option() -> None:
 def test_cli_round_trip_equals_the_kwargs_path() -> None:
     argv = ["--model", "/m", "--backend", "numpy", "--max-model-len", "256",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-            "--long-prefill-token-threshold", "64", "--block-size", "32",
+            "--long-prefill-token-threshold", "64", "--mixed-prefill-tokens", "32",
+            "--block-size", "32",
             "--no-enable-prefix-caching", "--num-gpu-blocks-override", "99",
             "--gpu-memory-utilization", "0.5", "--enforce-eager", "--no-enable-chunked-prefill",
             "--seed", "7", "--cuda-graph-max-bs", "4"]
     kw = dict(model="/m", backend="numpy", max_model_len=256, max_num_seqs=8,
-              max_num_batched_tokens=512, long_prefill_token_threshold=64, block_size=32,
+              max_num_batched_tokens=512, long_prefill_token_threshold=64,
+              mixed_prefill_tokens=32, block_size=32,
               enable_prefix_caching=False, num_gpu_blocks_override=99,
               gpu_memory_utilization=0.5, enforce_eager=True, enable_chunked_prefill=False,
               seed=7, cuda_graph_max_bs=4)

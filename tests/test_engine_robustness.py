@@ -147,3 +147,31 @@ def test_long_prompt_does_not_hold_back_a_short_one(tiny_dir: Path) -> None:
     while eng.has_unfinished():
         eng.step()
     assert long_req.finish_reason == "length" and short.finish_reason == "length"
+
+
+def test_prefill_beside_running_decodes_is_capped(tiny_dir: Path, reference: list[list[int]]
+                                                  ) -> None:
+    """mixed_prefill_tokens: while a request decodes, a step adds at most that many prompt
+    tokens (new admissions and running chunks together), so the decoding stream keeps getting
+    a token every step; alone, a prompt takes the whole budget. Greedy outputs are unchanged."""
+    llm = LLM(str(tiny_dir), backend="numpy", max_num_batched_tokens=512,
+              long_prefill_token_threshold=0, mixed_prefill_tokens=48)
+    eng = llm.engine
+    assert eng.config.mixed_prefill_tokens == 48
+    first = eng.add_request(PROMPTS[0], GREEDY)
+    eng.step()  # alone: its whole prompt in one step
+    assert len(first.output_token_ids) == 1
+    longs = [eng.add_request([7 + (i * j) % 90 for i in range(100)],  # no shared prefix
+                             SamplingParams(temperature=0, max_tokens=2)) for j in (1, 3)]
+    for k in range(1, 5):
+        before = [min(r.num_computed_tokens, 100) for r in longs]  # prompt tokens computed
+        eng.step()
+        assert len(first.output_token_ids) == 1 + k, "the decoding stream missed a step"
+        added = sum(min(r.num_computed_tokens, 100) - b for r, b in zip(longs, before, strict=True))
+        assert 0 < added <= 48
+    while eng.has_unfinished():
+        eng.step()
+    assert first.output_token_ids == reference[0]
+    assert all(r.finish_reason == "length" for r in longs)
+    out = LLM(str(tiny_dir), backend="numpy", mixed_prefill_tokens=8).generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in out] == reference

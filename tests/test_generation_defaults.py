@@ -19,7 +19,7 @@ from engine.config import ConfigError, ModelConfig
 from engine.engine import LLMEngine
 from engine.model.synthetic import hf_config, write_checkpoint
 from engine.sampling_params import BUILTIN_DEFAULTS, SamplingParams
-from engine.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
 QWEN3_GEN = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "temperature": 0.6,
              "top_p": 0.95, "top_k": 20}  # what Qwen3 ships (do_sample is ignored, as vLLM)
@@ -123,10 +123,10 @@ def test_server_requests_leave_absent_fields_unset() -> None:
     assert p.unset == {"top_p", "min_p"} and (p.temperature, p.top_k) == (1.0, 5)
     p = CompletionRequest(prompt="x", top_k=5000).sampling_params(16, None, 1000)
     assert p.top_k == 0 and "top_k" not in p.unset  # top_k >= vocab: off, and the request's
-    # a field the engine cannot apply is ignored only as a model default, never in a request
-    with pytest.raises(APIError, match="repetition_penalty is not supported"):
-        CompletionRequest(prompt="x", repetition_penalty=1.1).check_supported()
-    CompletionRequest(prompt="x", repetition_penalty=1.0).check_supported()
+    # repetition_penalty is ignored only as a model default, never in a request
+    rp = CompletionRequest(prompt="x", repetition_penalty=1.1)
+    rp.check_supported()
+    assert rp.sampling_params(16, None, 1000).repetition_penalty == 1.1
 
 
 def test_cli_flags() -> None:

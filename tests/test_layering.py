@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     # the stages of a step
     "engine.scheduler": 5,
     "engine.executor": 5,
+    "engine.parallel": 5,  # tensor parallelism: the sharding plan, collectives, the numpy sim
     "engine.input_processor": 5,
     "engine.output_processor": 5,
     # under the scheduler: the block manager; under the executor: graphs, kernels, cuda-python
@@ -59,6 +60,8 @@ LAYERS: dict[str, int] = {
     "engine.request": 3,
     "engine.outputs": 3,
     "engine.tokenizer": 3,
+    "engine.logits_processors": 3,  # per-request logits processors, host side
+    "engine.structured": 3,  # structured output: grammars and llguidance matchers
     # leaves: import nothing from the package
     "engine.envs": 2,
     "engine.jsonfile": 2,

@@ -163,7 +163,8 @@ def test_step_fault_fails_only_its_requests(server: OpenAIServer, reference: lis
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     assert wait_idle(server)
     assert server.metrics.registry.get_sample_value(
-        "cuteinfer_engine_steps_total", {"kind": "failed"}) >= 1
+        "cuteinfer:engine_steps_total",
+        {"kind": "failed", "model_name": server.served_model_name}) >= 1
 
 
 def test_watchdog_declares_a_stalled_engine_dead(model_dir: Path) -> None:
@@ -186,7 +187,8 @@ def test_watchdog_declares_a_stalled_engine_dead(model_dir: Path) -> None:
         status, body = http("POST", f"{srv.url}/v1/completions",
                             {"prompt": [5, 6, 7], "max_tokens": 4})
         assert status == 503 and body["error"]["type"] == "service_unavailable_error"
-        assert srv.metrics.registry.get_sample_value("cuteinfer_engine_healthy") == 0.0
+        assert srv.metrics.registry.get_sample_value(
+            "cuteinfer:engine_healthy", {"model_name": srv.served_model_name}) == 0.0
         assert srv.exit_code() == 1
 
 

@@ -285,7 +285,7 @@ BOUNDS: list[tuple[str, Callable[[], dict[str, Any]], str, str]] = [
     ("/v1/chat/completions", lambda: chat("hi", tools=[{"type": "function"}] * 129), "tools",
      "128"),
     # already refused before issue 11: kept
-    ("/v1/completions", lambda: completion("hi", n=2), "n", "n=1"),
+    ("/v1/completions", lambda: completion("hi", n=17), "n", "16"),
     ("/v1/completions", lambda: completion("hi", logprobs=21), "logprobs", "20"),
     ("/v1/chat/completions", lambda: chat("hi", logprobs=True, top_logprobs=21), "top_logprobs",
      "20"),

@@ -44,7 +44,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAIServer]:
 
 
 def sample(server: OpenAIServer, name: str, **labels: str) -> float:
-    v = server.metrics.registry.get_sample_value(name, labels)
+    v = server.metrics.registry.get_sample_value(
+        name, {"model_name": server.served_model_name, **labels})
     return 0.0 if v is None else v
 
 
@@ -78,8 +79,8 @@ async def _load(url: str, model: str) -> tuple[dict, list[bench_serving.RequestR
 def test_64_streaming_clients(server: OpenAIServer) -> None:
     assert wait_idle(server)
     base = server.async_engine.snapshot()["kv"]
-    base_length = sample(server, "cuteinfer_requests_total", outcome="length")
-    base_abort = sample(server, "cuteinfer_requests_total", outcome="abort")
+    base_length = sample(server, "cuteinfer:requests_total", outcome="length")
+    base_abort = sample(server, "cuteinfer:requests_total", outcome="abort")
 
     summary, results, impatient = asyncio.run(_load(server.url, server.served_model_name))
 
@@ -93,9 +94,9 @@ def test_64_streaming_clients(server: OpenAIServer) -> None:
     assert impatient == IMPATIENT
     # the server's own accounting agrees: every request ended exactly once
     assert wait_idle(server, timeout=30)
-    assert sample(server, "cuteinfer_requests_total", outcome="length") - base_length == REQUESTS
-    assert sample(server, "cuteinfer_requests_total", outcome="abort") - base_abort == IMPATIENT
-    assert sample(server, "cuteinfer_requests_total", outcome="error") == 0
+    assert sample(server, "cuteinfer:requests_total", outcome="length") - base_length == REQUESTS
+    assert sample(server, "cuteinfer:requests_total", outcome="abort") - base_abort == IMPATIENT
+    assert sample(server, "cuteinfer:requests_total", outcome="error") == 0
     kv = server.async_engine.snapshot()["kv"]
     assert kv["in_use"] == base["in_use"] == 0 and kv["requests"] == 0
     assert kv["free"] + kv["reclaimable"] == base["free"] + base["reclaimable"] == kv["pages"]

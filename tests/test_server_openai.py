@@ -173,19 +173,21 @@ def test_stop_string(client: openai.OpenAI) -> None:
     ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ("completions", {"prompt": "hi", "temperature": 3.5}, "temperature"),
     ("completions", {"prompt": "hi", "top_p": 0}, "top_p"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "n": 17}, "n"),
+    ("completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ("completions", {"prompt": "hi", "model": "gpt-4"}, "model"),
     ("completions", {"prompt": "hi", "logprobs": 99}, "logprobs"),
     ("completions", {"prompt": "hi", "stop": [""]}, "stop"),
-    ("completions", {"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("completions", {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("completions", {"prompt": ["a"] * 33}, "prompt"),
+    ("completions", {"prompt": ["a"] * 8, "n": 9}, "n"),
     ("completions", {"prompt": []}, "prompt"),
     ("completions", {"prompt": [1, 2, 10**7]}, None),
     ("completions", {"prompt": "word " * 300}, "prompt"),
     ("completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("completions", {"max_tokens": 4}, "prompt"),
     ("chat/completions", {"messages": []}, "messages"),
-    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, "n"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
                           "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -224,8 +226,8 @@ def test_disconnect_aborts_and_frees_pages(server: OpenAIServer) -> None:
     pages return; so does a non-streaming one."""
     u = urlparse(server.url)
     def aborted() -> float:
-        return server.metrics.registry.get_sample_value("cuteinfer_requests_total",
-                                                        {"outcome": "abort"})
+        return server.metrics.registry.get_sample_value(
+            "cuteinfer:requests_total", {"outcome": "abort", "model_name": "tiny-chat"})
 
     before = aborted()
     for stream in (True, False):
@@ -251,17 +253,24 @@ def test_health_and_metrics(server: OpenAIServer, client: openai.OpenAI) -> None
     assert status == 200 and body["status"] == "ok"
     status, text = http("GET", f"{server.url}/metrics")
     assert status == 200
-    for name in ("cuteinfer_requests_total{outcome=\"length\"}",
-                 "cuteinfer_requests_total{outcome=\"rejected\"}",
-                 "cuteinfer_time_to_first_token_seconds_bucket",
-                 "cuteinfer_time_per_output_token_seconds_bucket",
-                 "cuteinfer_e2e_request_latency_seconds_bucket",
-                 "cuteinfer_num_requests_running", "cuteinfer_num_requests_waiting",
-                 "cuteinfer_kv_pages{state=\"live\"}", "cuteinfer_kv_pages{state=\"cached\"}",
-                 "cuteinfer_kv_pages{state=\"reclaimable\"}", "cuteinfer_prefix_cache_hit_rate",
-                 "cuteinfer_num_preemptions_total", "cuteinfer_engine_steps_total{kind=\"graph\"}",
-                 "cuteinfer_engine_steps_total{kind=\"eager\"}", "cuteinfer_engine_healthy 1.0"):
+    for name in ("cuteinfer:requests_total", "cuteinfer:time_to_first_token_seconds_bucket",
+                 "cuteinfer:request_time_per_output_token_seconds_bucket",
+                 "cuteinfer:e2e_request_latency_seconds_bucket",
+                 "cuteinfer:num_requests_running", "cuteinfer:num_requests_waiting",
+                 "cuteinfer:kv_pages", "cuteinfer:prefix_cache_hit_rate",
+                 "cuteinfer:num_preemptions_total", "cuteinfer:engine_steps_total",
+                 "cuteinfer:engine_healthy"):
         assert name in text, name
+    m = {"model_name": "tiny-chat"}
+    get = server.metrics.registry.get_sample_value
+    assert get("cuteinfer:requests_total", {**m, "outcome": "length"}) >= 1
+    assert get("cuteinfer:requests_total", {**m, "outcome": "rejected"}) >= 1
+    for state in ("live", "cached", "reclaimable"):
+        assert get("cuteinfer:kv_pages", {**m, "state": state}) is not None
+    for kind in ("graph", "eager"):
+        assert get("cuteinfer:engine_steps_total", {**m, "kind": kind}) is not None
+    assert get("cuteinfer:engine_healthy", m) == 1.0
     # prompts repeated above hit the prefix cache
-    rate = server.metrics.registry.get_sample_value("cuteinfer_prefix_cache_hit_rate")
+    rate = server.metrics.registry.get_sample_value("cuteinfer:prefix_cache_hit_rate",
+                                                    {"model_name": "tiny-chat"})
     assert rate is not None and 0.0 < rate < 1.0

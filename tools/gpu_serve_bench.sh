@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # bash tools/gpu_serve_bench.sh PRESET (a warm call with .whl, and .tok for the Qwen3 tokenizer: CUTEINFER_QWEN3_TOKENIZER):
-# server ready time, serving (text and ids), offline LLM.generate, replay
+# server ready time, serving (text and ids), offline LLM.generate, replay.
+# Env: SERVE_ARGS (more server options), TAG (suffix of the output names), KINDS ("words ids"),
+# OFFLINE=0 / REPLAY=0 skip those parts; the engine core writes its step trace to
+# $OUT/trace_$P$TAG.txt (CUTEINFER_STEP_TRACE; tools/step_trace.py reads it).
 set -uo pipefail
 source "$(dirname "$0")/gpu_lib.sh"
-P=$1; PORT=8321; export PYTHONUNBUFFERED=1
+P=$1; PORT=8321; export PYTHONUNBUFFERED=1; TAG=${TAG:-}
+export CUTEINFER_STEP_TRACE=$OUT/trace_$P$TAG.txt
 CK=/tmp/ck_$P
 [ -f $CK/config.json ] || python3 -m tools.make_checkpoint --preset $P --out $CK --max-shard-size 8 --tokenizer 2>&1 | tail -1
 t0=$(date +%s.%N)
 python3 -m engine.cli serve --model $CK --backend cuda --max-num-seqs 64 --max-model-len 1024 \
-  --port $PORT > "$OUT/serve_$P.log" 2>&1 &
+  --port $PORT ${SERVE_ARGS:-} > "$OUT/serve_$P$TAG.log" 2>&1 &
 spid=$!
 wait_health $PORT 90
 t1=$(date +%s.%N); echo "$P server ready in $(python3 -c "print(round($t1-$t0,2))") s"
-for kind in words ids; do
+for kind in ${KINDS:-words ids}; do
   timeout 200 python3 -m tools.bench_serving --base-url http://127.0.0.1:$PORT --random-input-len 128 \
     --random-output-len 256 --num-prompts ${PROMPTS:-320} --max-concurrency 64 --ignore-eos \
-    --prompt-kind $kind --vocab-range 0 150000 --out "$OUT/serve_${P}_$kind.json" 2>&1 | grep -E "tok/s|TPOT|ITL|TTFT|Successful|Failed" | head -20
+    --prompt-kind $kind --vocab-range 0 150000 --out "$OUT/serve_${P}${TAG}_$kind.json" 2>&1 | grep -E "tok/s|TPOT|ITL|TTFT|Successful|Failed" | head -20
 done
 curl -s http://127.0.0.1:$PORT/metrics 2>/dev/null | grep -E "^cuteinfer.*(steps|preempt)" | head -5
-kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P.log"
-timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} --out "$OUT/offline_$P.json" 2>&1 | tail -1
-timeout 200 python3 -m tools.bench_decode --preset $P --batch 1,64 --ctx 256 --out "$OUT/replay_$P.json" 2>&1 | grep -v Warning | tail -3
+kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P$TAG.log"
+unset CUTEINFER_STEP_TRACE
+python3 -m tools.step_trace "$OUT/trace_$P$TAG.txt" 2>&1 | tail -12
+[ "${OFFLINE:-1}" = 0 ] || timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} --out "$OUT/offline_$P.json" 2>&1 | tail -1
+[ "${REPLAY:-1}" = 0 ] || timeout 200 python3 -m tools.bench_decode --preset $P --batch 1,64 --ctx 256 --out "$OUT/replay_$P.json" 2>&1 | grep -v Warning | tail -3

@@ -39,8 +39,10 @@ declare -A G=(
   [graphs]="tests/gpu/test_graphs.py"
   [gate]="tests/gpu/test_golden_gate.py"
   [odd]="tests/gpu/test_odd_shapes.py"
+  [upload]="tests/gpu/test_weight_upload.py"
+  [logits]="tests/gpu/test_logits_process.py"
 )
-TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd"}
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits"}
 for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \

@@ -246,6 +246,8 @@ class MultiprocessEngine(OutputViews):
                                     for d in o.prompt_logprobs]
         req.num_cached_tokens = o.num_cached_tokens
         req.cumulative_logprob = o.cumulative_logprob
+        if o.scheduled_at is not None:
+            req.metrics.setdefault("scheduled", o.scheduled_at)
         if o.finish_reason is not None:
             req.finish(FinishReason(o.finish_reason), stop_reason=o.stop_reason, error=o.error)
 

@@ -29,6 +29,9 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     error: str | None = None
     num_cached_tokens: int = 0
     cumulative_logprob: float = 0.0
+    # when the core first admitted it (time.perf_counter(): CLOCK_MONOTONIC, one clock for
+    # both processes on Linux); sent until its first tokens are, for the queue-time metrics
+    scheduled_at: float | None = None
 
 
 class CoreStep(msgspec.Struct, array_like=True, gc=False):

@@ -30,6 +30,35 @@ IDLE_POLL_MS = 100
 log = logging.getLogger(__name__)
 
 
+class AdmissionClock:
+    """Stamps ``req.metrics["scheduled"]`` (the start of the step that first admitted it: the
+    end of its queue time, vLLM's ``scheduled_ts``) around ``LLMEngine.step()``, reading only the
+    scheduler's queue lengths: O(1) a step, O(admitted + changed) in a step that admitted some.
+    Admitted = what left the waiting queue, preempted requests (which return to it) counted
+    back; they are the tail of ``running``, or finished in that very step."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.sched = scheduler
+        self.t, self.waiting, self.preempted = 0.0, 0, 0
+
+    def before(self) -> None:
+        s = self.sched
+        self.t, self.waiting, self.preempted = time.perf_counter(), len(s.waiting), \
+            s.num_preemptions
+
+    def after(self, changed: list[Any]) -> None:
+        s = self.sched
+        admitted = self.waiting - len(s.waiting) + s.num_preemptions - self.preempted
+        if admitted <= 0:
+            return
+        t = self.t
+        for r in s.running[-admitted:]:
+            r.metrics.setdefault("scheduled", t)
+        for r in changed:
+            if r.is_finished:
+                r.metrics.setdefault("scheduled", t)
+
+
 def run_engine_core(args: Any, in_addr: str, out_addr: str, ready: Any, heartbeat: Any,
                     fault: str | None = None) -> None:
     """Process entry point. ``ready`` (a Pipe end) gets ``("ready", info)`` (the resolved
@@ -83,6 +112,7 @@ class _Core:
         self.encode = msgspec.msgpack.Encoder().encode
         self.CoreOutput, self.CoreStep = CoreOutput, CoreStep
         self.cursors: dict[str, list[int]] = {}  # request id -> [tokens, prompt logprobs] sent
+        self.clock = AdmissionClock(eng.scheduler)
         self.gauges_at = 0.0
         self.stopping = False
         self.parent = os.getppid()
@@ -112,7 +142,9 @@ class _Core:
                 continue
             if self.stopping or not eng.has_unfinished():
                 continue
+            self.clock.before()
             changed = eng.step()
+            self.clock.after(changed)
             self.heartbeat.value = eng.heartbeat
             self._send([self._output(r) for r in changed])
 
@@ -129,7 +161,8 @@ class _Core:
                     refused.append(self.CoreOutput(rid, [], finish_reason="error",
                                                    error=f"{type(e).__name__}: {e}"))
                     continue
-                self.cursors[req.request_id] = [0, 0]
+                # the front end's mirror starts with position 0's None too (add_request)
+                self.cursors[req.request_id] = [0, 1 if req.wants_prompt_logprobs else 0]
             elif cmd[0] == ABORT:
                 for rid in cmd[1]:
                     eng.abort(rid)
@@ -161,7 +194,8 @@ class _Core:
             self.eng.pop_finished(rid)
             del self.cursors[rid]
         return self.CoreOutput(rid, toks[n0:], lps, plps, fin, req.stop_reason, req.error,
-                               req.num_cached_tokens, req.cumulative_logprob)
+                               req.num_cached_tokens, req.cumulative_logprob,
+                               req.metrics.get("scheduled") if n0 == 0 else None)
 
     def _send(self, outs: list[Any]) -> None:
         now = time.monotonic()

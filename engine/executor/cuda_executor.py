@@ -71,8 +71,10 @@ class CudaExecutor(Executor):
     def _allocate(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool) -> None:
         """Context, memory plan, arena, weights, static buffers and KV pages: all that needs no
         compiled kernel."""
+        t0 = time.perf_counter()
         self.ctx = Context.get()
         self.stream = Stream()
+        t1 = time.perf_counter()
         mc = self.mc = ckpt.config
         self.config = config
         self.page_size = config.block_size
@@ -82,7 +84,12 @@ class CudaExecutor(Executor):
         ws = self._workspace_bytes()
         self.num_pages, arena_bytes = plan_num_pages(mc, config, free, total, ws)
         self.arena = Arena(arena_bytes)
+        t2 = time.perf_counter()
         self.weights = DeviceWeights(ckpt, self.arena, self.stream, show=verbose)
+        t3 = time.perf_counter()
+        # start-up phases in seconds (tools/profile_startup.py prints them)
+        self.startup_phases = {"context_s": t1 - t0, "plan_arena_s": t2 - t1,
+                               "weights_s": t3 - t2}
         self.buf = StepBuffers(mc, s, self.arena, ws, self.stream)
         kv_shape = (self.num_pages, mc.num_key_value_heads, self.page_size, mc.head_dim)
         self.k_cache = [self.arena.alloc(kv_shape, BF16, f"k{i}")
@@ -164,6 +171,7 @@ class CudaExecutor(Executor):
         buf.min_p.upload(p(b.min_p, 0.0), st)
         buf.seeds.upload(p(b.seeds, 0), st)
         buf.steps.upload(p(b.sample_steps, 0), st)
+        buf.procs.stage(b.procs, n + max(pad, 0), st)  # logits processors (cuda_logits.py)
 
     def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
                 num_splits: int) -> None:
@@ -209,8 +217,10 @@ class CudaExecutor(Executor):
         self.forward(batch, batch, True, 1, num_splits)
         self.logits(batch, 0, batch)
         b = self.buf
+        b.procs.apply(self.kernels, b.logits, b.steps, batch, self.stream)
         self.kernels.sample(b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds,
                             b.steps, b.sampled, batch, self.stream)
+        b.procs.count(self.kernels, b.steps, b.sampled, batch, self.stream)
 
     def decode_splits(self, batch: int) -> int:
         """Split-KV factor of a decode step: fixed per bucket (from max_model_len), so an eager
@@ -271,11 +281,16 @@ class CudaExecutor(Executor):
             if s_rows:
                 self.upload_sampling(b)
                 self.logits(b.num_tokens, 0, s_rows)
+                buf.procs.apply(self.kernels, buf.logits, buf.steps, s_rows, st)
                 self.kernels.sample(buf.logits, buf.temperature, buf.top_k, buf.top_p,
                                     buf.min_p, buf.seeds, buf.steps, buf.sampled, s_rows, st)
+                buf.procs.count(self.kernels, buf.steps, buf.sampled, s_rows, st)
                 tokens = self._sampled(b, s_rows)
         lp = None
         if s_rows and (b.num_logprobs >= 0).any():
+            # logprobs are of the logits before the processors (the grammar mask aside)
+            buf.procs.raw_logits(self.kernels, buf.rows, self.weights.lm_head, buf.logits,
+                                 buf.steps, s_rows, st)
             lp = self._logprobs(s_rows, tokens, int(b.num_logprobs.max()))
         plp = self._prompt_logprobs(b) if p_rows else None
         return StepOutput(sampled=tokens, logprobs=lp, prompt_logprobs=plp, graph=graph)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,8 +26,10 @@ import numpy as np
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda.driver import Arena, CudaError, DeviceBuffer, Stream
+from engine.cuda.driver import Arena, Context, CudaError, DeviceBuffer, Stream
+from engine.executor.cuda_logits import ProcessorBuffers
 from engine.executor.cuda_shapes import Padded, device_weight_shapes, pad_to
+from engine.executor.weight_upload import WeightUploader
 from engine.model.loader import Checkpoint
 from engine.model.reference import cos_sin_table
 from engine.progress import progress
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     from cutlass_kernels.decode_attention import DecodeAttentionLauncher
     from cutlass_kernels.embedding import EmbeddingLauncher
     from cutlass_kernels.gemm import GemmLauncher
+    from cutlass_kernels.logits_process import CountTokensLauncher, LogitsProcessLauncher
     from cutlass_kernels.prefill_attention import PrefillAttentionLauncher
     from cutlass_kernels.rmsnorm import RMSNormLauncher
     from cutlass_kernels.rope_kv import RopeKVLauncher
@@ -102,6 +106,20 @@ def weight_bytes(mc: ModelConfig) -> int:
     return 2 * sum(math.prod(shape) for _, shape in device_weight_shapes(mc))
 
 
+def decode_bytes_read(mc: ModelConfig, batch: int, context: int) -> int:
+    """Bytes a decode step of ``batch`` sequences of ``context`` tokens must read: every device
+    weight once, except an untied embedding table, of which only the ``batch`` gathered rows are
+    read (a tied one is read whole, as the LM head), plus the KV of every context token. Over the
+    bandwidth: the step's floor."""
+    shapes = dict(device_weight_shapes(mc))
+    w = weight_bytes(mc)
+    if not mc.tie_word_embeddings:
+        rows, width = shapes["embed"]
+        w += 2 * width * batch - 2 * rows * width
+    kv = batch * context * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * 2
+    return w + kv
+
+
 def kv_bytes_per_page(mc: ModelConfig, page_size: int) -> int:
     return 2 * mc.num_hidden_layers * mc.num_key_value_heads * page_size * mc.head_dim * 2
 
@@ -157,6 +175,8 @@ class Kernels:
     prefill: PrefillAttentionLauncher
     sample: SamplerLauncher
     logprobs: LogProbsLauncher
+    logits_process: LogitsProcessLauncher  # logits processors, before the sampler
+    count_tokens: CountTokensLauncher  # the sampled tokens into the penalties' counts
 
     @classmethod
     def compile(cls, mc: ModelConfig, show: bool = True, workers: int | None = None) -> Kernels:
@@ -209,6 +229,7 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
     from cutlass_kernels.decode_attention import compile_decode_attention
     from cutlass_kernels.embedding import compile_embedding
     from cutlass_kernels.gemm import compile_gemm
+    from cutlass_kernels.logits_process import compile_count_tokens, compile_logits_process
     from cutlass_kernels.prefill_attention import compile_prefill_attention
     from cutlass_kernels.rmsnorm import compile_rmsnorm
     from cutlass_kernels.rope_kv import compile_rope_kv
@@ -230,6 +251,8 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
         "decode": (compile_decode_attention, (nq, nkv, hd, 16), {}),
         "sample": (compile_sampler, (v, pad.vocab), {}),  # reads the first v of pad.vocab
         "logprobs": (compile_logprobs, (v,), {"row_stride": pad.vocab}),
+        "logits_process": (compile_logits_process, (v, pad.vocab), {}),
+        "count_tokens": (compile_count_tokens, (v,), {}),
         "rope": (compile_rope_kv, (nq, nkv, hd, 16, mc.qk_norm), {}),
         "embed": (compile_embedding, (h,), {}),
         # bf16 rows of width h too: the compile cache hands back the embed kernel itself
@@ -244,52 +267,72 @@ class DeviceWeights:
     """Weights in the arena, fused as the kernels expect (QKV rows; gate then up rows), padded
     with zeros to the kernels' widths (``Padded``; shapes: ``device_weight_shapes``)."""
 
-    def __init__(self, ckpt: Checkpoint, arena: Arena, stream: Stream, show: bool) -> None:
+    def __init__(self, ckpt: Checkpoint, arena: Arena, stream: Stream, show: bool,
+                 uploader: Any = None) -> None:
+        """``uploader``: ``weight_upload.WeightUploader`` (default: pinned staging, several
+        threads) or ``SerialUploader`` (buffers that are not device memory)."""
         mc = ckpt.config
         self.config = mc
         p = self.padded = Padded.of(mc)
         shapes = iter(device_weight_shapes(mc))
+        bar = progress(weight_bytes(mc), "uploading weights", enable=show, unit="B",
+                       unit_scale=True)
+        lock = threading.Lock()
 
-        def put(a: np.ndarray, name: str) -> DeviceBuffer:
+        def advance(n: int) -> None:  # from the upload threads
+            with lock:
+                bar.update(n)
+
+        up = uploader or WeightUploader(Context.get(), on_bytes=advance)
+
+        def put(parts: list[np.ndarray], name: str) -> DeviceBuffer:
+            """One device weight from ``parts`` stacked along rows (QKV: q, k, v; gate_up: gate,
+            up), each copied to its own offset; padded on the host only when its shape needs
+            it."""
             want, shape = next(shapes)
             assert want == name, (want, name)  # device_weight_shapes lists them in this order
-            a = pad_to(np.ascontiguousarray(a, dtype=BF16), shape)
-            buf = arena.alloc(a.shape, BF16, name)
-            buf.upload(a, stream)
-            stream.synchronize()  # the host array may be a temporary
+            buf = arena.alloc(shape, BF16, name)
+            rows = sum(a.shape[0] for a in parts)
+            if rows != shape[0] or any(a.shape[1:] != shape[1:] for a in parts):
+                parts = [pad_to(np.ascontiguousarray(np.concatenate(parts), dtype=BF16), shape)]
+            off = 0
+            for a in parts:
+                up.copy(buf, off, np.asarray(a, dtype=BF16))
+                off += a.nbytes
             return buf
 
-        def gate_up(i: int) -> np.ndarray:
+        def gate_up(i: int) -> list[np.ndarray]:
+            gate, upw = (ckpt.layer(i, f"mlp.{n}_proj.weight") for n in ("gate", "up"))
             if p.intermediate == mc.intermediate_size:
-                return ckpt.gate_up_weight(i)
+                return [gate, upw]
             half = (p.intermediate, mc.hidden_size)  # each half padded: up starts at row I_pad
-            return np.concatenate([pad_to(ckpt.layer(i, f"mlp.{n}_proj.weight"), half)
-                                   for n in ("gate", "up")])
+            return [pad_to(gate, half), pad_to(upw, half)]
 
-        with progress(weight_bytes(mc), "uploading weights", enable=show, unit="B",
-                      unit_scale=True) as bar:
-            self.embed = put(ckpt["model.embed_tokens.weight"], "embed")
+        def qkv(i: int) -> list[np.ndarray]:
+            return [ckpt.layer(i, f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+
+        with bar:
+            self.embed = put([ckpt["model.embed_tokens.weight"]], "embed")
             self.lm_head = (self.embed if mc.tie_word_embeddings
-                            else put(ckpt["lm_head.weight"], "lm_head"))
-            self.norm = put(ckpt["model.norm.weight"], "norm")
-            bar.update(self.embed.nbytes + self.norm.nbytes
-                       + (0 if mc.tie_word_embeddings else self.lm_head.nbytes))
+                            else put([ckpt["lm_head.weight"]], "lm_head"))
+            self.norm = put([ckpt["model.norm.weight"]], "norm")
             self.layers: list[dict[str, DeviceBuffer]] = []
             for i in range(mc.num_hidden_layers):
                 lw = {
-                    "in_norm": put(ckpt.layer(i, "input_layernorm.weight"), "in_norm"),
-                    "post_norm": put(ckpt.layer(i, "post_attention_layernorm.weight"),
+                    "in_norm": put([ckpt.layer(i, "input_layernorm.weight")], "in_norm"),
+                    "post_norm": put([ckpt.layer(i, "post_attention_layernorm.weight")],
                                      "post_norm"),
-                    "qkv": put(ckpt.qkv_weight(i), "qkv"),
-                    "o": put(ckpt.layer(i, "self_attn.o_proj.weight"), "o"),
+                    "qkv": put(qkv(i), "qkv"),
+                    "o": put([ckpt.layer(i, "self_attn.o_proj.weight")], "o"),
                     "gate_up": put(gate_up(i), "gate_up"),
-                    "down": put(ckpt.layer(i, "mlp.down_proj.weight"), "down"),
+                    "down": put([ckpt.layer(i, "mlp.down_proj.weight")], "down"),
                 }
                 if mc.qk_norm:
-                    lw["q_norm"] = put(ckpt.layer(i, "self_attn.q_norm.weight"), "q_norm")
-                    lw["k_norm"] = put(ckpt.layer(i, "self_attn.k_norm.weight"), "k_norm")
+                    lw["q_norm"] = put([ckpt.layer(i, "self_attn.q_norm.weight")], "q_norm")
+                    lw["k_norm"] = put([ckpt.layer(i, "self_attn.k_norm.weight")], "k_norm")
                 self.layers.append(lw)
-                bar.update(sum(b.nbytes for b in lw.values()))
+            up.run()
+        stream.synchronize()  # (the copies ran on the upload threads' own streams)
 
 
 class StepBuffers:
@@ -322,6 +365,8 @@ class StepBuffers:
         self.lp_rank = a(r, np.int32, "lp_rank")
         self.lp_top_ids = a((r, 20), np.int32, "lp_top_ids")
         self.lp_top = a((r, 20), np.float32, "lp_top")
+        # logits processors (engine/executor/cuda_logits.py): rows, and one slot per sequence
+        self.procs = ProcessorBuffers(mc.vocab_size, p.vocab, r, b, arena, stream)
         # activations
         self.resid = a((t, h), BF16, "resid")
         self.delta = a((t, h), BF16, "delta")

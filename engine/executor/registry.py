@@ -57,6 +57,11 @@ def create_executor(backend: str, ckpt: Checkpoint, config: EngineConfig
             fit = max(1, NUMPY_KV_BYTES // NumpyExecutor.bytes_per_page(ckpt, config.block_size))
             want = config.max_num_seqs * per_seq + 1
             n = max(min(config.cpu_kv_pages, want, fit), min(per_seq + 1, fit), 2)
+        if config.tensor_parallel_size > 1:  # the sharded forward, simulated on the CPU
+            from engine.parallel.sim import TensorParallelNumpyExecutor
+
+            return TensorParallelNumpyExecutor(ckpt, n, config.block_size,
+                                               config.tensor_parallel_size), n
         return NumpyExecutor(ckpt, n, config.block_size), n
     from engine.executor.cuda_executor import CudaExecutor
 

@@ -125,6 +125,7 @@ class BlockManager:
         self.duplicate_policy = duplicate_policy
         self._stats: Counter[str] = Counter(dict.fromkeys(_STATS, 0))
         self._cache = PrefixCache(page_size, type(self).hash_fn)
+        self._match_memo: tuple | None = None  # _match's last answer
         self._pool = self.pool_cls(num_pages, first, self._cache, self._stats,
                                    enable_prefix_caching)
         self._seqs: dict[Hashable, _Seq] = {}
@@ -184,8 +185,18 @@ class BlockManager:
     def _match(self, token_ids: Sequence[int], salt: str | None) -> list[CachedPage]:
         if not self._pool.caching:
             return []
+        # An admission asks three times about the same tokens (num_cached_prefix_tokens,
+        # pages_needed_for_new, create): a 3,000-token prompt is 187 page hashes each time. The
+        # last answer is kept while the index is unchanged, for the same list object (held
+        # here, so its id cannot be reused) of the same length and salt.
+        memo, cache = self._match_memo, self._cache
+        if (memo is not None and memo[0] is token_ids and memo[1] == len(token_ids)
+                and memo[2] == salt and memo[3] == cache.version):
+            return memo[4]
         # Capped so that at least one prompt token is computed (its logits start decoding).
-        return self._cache.match(token_ids, salt, (len(token_ids) - 1) // self.page_size)
+        out = cache.match(token_ids, salt, (len(token_ids) - 1) // self.page_size)
+        self._match_memo = (token_ids, len(token_ids), salt, cache.version, out)
+        return out
 
     def num_cached_prefix_tokens(self, token_ids: Sequence[int], salt: str | None = None) -> int:
         return len(self._match(token_ids, salt)) * self.page_size

@@ -57,6 +57,7 @@ class PrefixCache:
         self._by_hash: dict[bytes, CachedPage] = {}
         self._by_page: dict[int, CachedPage] = {}
         self._next_id = ROOT_ID + 1  # ids are never reused, so a stale parent can never match
+        self.version = 0  # grows whenever the index changes (BlockManager's match memo)
 
     def __len__(self) -> int:
         return len(self._by_page)
@@ -91,16 +92,19 @@ class PrefixCache:
         entry = CachedPage(self._next_id, page, parent_id, tokens, salt, h)
         self._next_id += 1
         self._by_hash[h] = entry
+        self.version += 1
         self._by_page[page] = entry
         return entry
 
     def unregister(self, page: int) -> None:
         entry = self._by_page.pop(page)
         del self._by_hash[entry.hash]
+        self.version += 1
 
     def registered_pages(self) -> list[int]:
         return list(self._by_page)
 
     def clear(self) -> None:
         self._by_hash.clear()
+        self.version += 1
         self._by_page.clear()

@@ -191,14 +191,24 @@ class ReferenceModel:
         cos, sin = rope_cos_sin(positions, hd, cfg.rope_theta, cfg.rope_scaling)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), np.ascontiguousarray(v)
 
-    def attn_out_and_mlp(self, li: int, x: np.ndarray, attn: np.ndarray) -> np.ndarray:
-        """o projection + residual, post-attention norm, SwiGLU MLP + residual."""
+    def o_proj(self, li: int, attn: np.ndarray) -> np.ndarray:
+        """The attention output projection [T, hidden], before the residual add (on a
+        tensor-parallel rank: its heads' partial sum, engine/parallel/sim.py)."""
+        return np.matmul(attn.reshape(attn.shape[0], -1), self.layers[li]["o_t"], dtype=F32)
+
+    def mlp(self, li: int, x: np.ndarray) -> np.ndarray:
+        """Post-attention norm and SwiGLU MLP of the residual stream x [T, hidden], before the
+        residual add (on a tensor-parallel rank: its intermediate slice's partial sum)."""
         cfg, lw = self.config, self.layers[li]
-        x = x + np.matmul(attn.reshape(x.shape[0], -1), lw["o_t"], dtype=F32)
         h = rms_norm(x, lw["post_norm"], cfg.rms_norm_eps)
         gu = np.matmul(h, lw["gate_up_t"], dtype=F32)
         i = cfg.intermediate_size
-        return (x + np.matmul(silu(gu[:, :i]) * gu[:, i:], lw["down_t"], dtype=F32)).astype(F32)
+        return np.matmul(silu(gu[:, :i]) * gu[:, i:], lw["down_t"], dtype=F32)
+
+    def attn_out_and_mlp(self, li: int, x: np.ndarray, attn: np.ndarray) -> np.ndarray:
+        """o projection + residual, post-attention norm, SwiGLU MLP + residual."""
+        x = x + self.o_proj(li, attn)
+        return (x + self.mlp(li, x)).astype(F32)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         h = rms_norm(x, self.norm, self.config.rms_norm_eps)

@@ -1,10 +1,12 @@
-"""The FastAPI application: OpenAI routes, /health, /metrics, and errors as OpenAI's error JSON.
+"""The FastAPI application: OpenAI routes, vLLM's /tokenize, /detokenize, /version and /ping,
+/health, /metrics, and errors as OpenAI's error JSON.
 
 Whatever a client sends is answered with a 2xx or a 4xx: validation failures (pydantic, bad JSON)
 become 400 ``invalid_request_error``; a body over ``--max-request-bytes`` is refused with 413 by
 an ASGI middleware before anything parses it; 5xx is kept for the server's own faults (a failed
 engine step: 500; a dead or stalled engine: 503; a bug: 500 with an opaque error id, the details
-logged under it).
+logged under it). With API keys, a request without an accepted one gets 401 before anything else
+(engine/server/auth.py).
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine import __version__
 from engine.server.async_engine import AsyncEngine
+from engine.server.auth import OPEN_PATHS, APIKeyAuth, APIKeys
 from engine.server.metrics import ServerMetrics
 from engine.server.protocol import (
     INVALID_TEXT,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeRequest,
 )
 from engine.server.serving import OpenAIServing
 
@@ -40,6 +46,7 @@ DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request"},
+    401: {"model": ErrorResponse, "description": "no or a wrong API key (with --api-key)"},
     413: {"model": ErrorResponse, "description": "the body is over --max-request-bytes"},
     500: {"model": ErrorResponse, "description": "the engine step serving it failed"},
     503: {"model": ErrorResponse, "description": "the engine is dead or shutting down"},
@@ -158,21 +165,30 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def build_app(engine: AsyncEngine, served_model_name: str,
               metrics: ServerMetrics | None = None, *,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """``max_request_bytes``: the largest request body accepted (``--max-request-bytes``)."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_keys: list[str] | None = None, metrics_require_key: bool = False,
+              cache_isolation: bool = True, tool_call_parser: str = "auto") -> FastAPI:
+    """``max_request_bytes``: the largest request body accepted (``--max-request-bytes``);
+    ``api_keys``: the keys accepted (none: no auth); ``metrics_require_key``: /metrics needs one
+    too; ``cache_isolation``: a prefix-cache namespace per key; ``tool_call_parser``: the
+    tool-call format (``--tool-call-parser``)."""
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) \
             or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be a positive number of bytes, got "
                          f"{max_request_bytes!r}: set --max-request-bytes to, e.g., "
                          f"{DEFAULT_MAX_REQUEST_BYTES}")
     app = FastAPI(title="cuteinfer", summary="OpenAI-compatible LLM inference server",
-                  version="0.1.0")
-    serving = OpenAIServing(engine, served_model_name)
+                  version=__version__)
+    serving = OpenAIServing(engine, served_model_name, tool_call_parser)
     created = int(time.time())
     app.state.engine = engine
     app.state.metrics = metrics
-    app.add_middleware(BodyLimit, limit=max_request_bytes,
-                       on_refuse=None if metrics is None else metrics.refused)
+    on_refuse = None if metrics is None else metrics.refused
+    app.add_middleware(BodyLimit, limit=max_request_bytes, on_refuse=on_refuse)
+    if api_keys:  # added last: outermost, so a stranger's body is never read
+        open_paths = OPEN_PATHS if metrics_require_key else OPEN_PATHS | {"/metrics"}
+        app.add_middleware(APIKeyAuth, keys=APIKeys(api_keys, cache_isolation),
+                           open_paths=open_paths, on_refuse=on_refuse)
 
     def error(e: APIError) -> JSONResponse:
         if metrics is not None and e.status in (400, 503):
@@ -213,6 +229,33 @@ def build_app(engine: AsyncEngine, served_model_name: str,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completion with the checkpoint's chat template."""
         return await serving.chat(body, request)
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: a prompt, or chat messages through the chat template, -> token ids."""
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's: token ids -> text."""
+        return await serving.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    def pong() -> Response:
+        return Response(status_code=200 if engine.health()[0] else 503)
+
+    @app.get("/ping", responses={503: {"description": "the engine is dead or stalled"}})
+    async def ping() -> Response:
+        """As /health (SageMaker's name for it), with an empty body."""
+        return pong()
+
+    @app.post("/ping", responses={503: {"description": "the engine is dead or stalled"}})
+    async def ping_post() -> Response:
+        """As GET /ping."""
+        return pong()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

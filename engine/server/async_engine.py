@@ -35,6 +35,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.core.process import AdmissionClock
 from engine.engine import LLMEngine, RequestError
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -55,11 +56,13 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, step_timeout_s: float = 120.0,
                  on_fatal: Callable[[str], None] | None = None,
                  on_finish: Callable[[Request], None] | None = None,
+                 on_output: Callable[[Request], None] | None = None,
                  snapshot_interval_s: float = 0.1) -> None:
         self.engine = engine
         self.step_timeout_s = step_timeout_s
         self.on_fatal = on_fatal  # called once, before any client can see the failure
         self.on_finish = on_finish  # called on the engine thread with each finished request
+        self.on_output = on_output  # ... with each request a step changed (metrics)
         self.snapshot_interval_s = snapshot_interval_s
         self._commands: queue.Queue[tuple[Any, ...]] = queue.Queue()
         self._lock = threading.Lock()  # guards the fields below
@@ -70,6 +73,7 @@ class AsyncEngine:
         self._refusing: str | None = None  # why add() refuses (draining or shut down)
         self._stopping = False  # the loop thread should exit
         self._tracked: dict[str, RequestStream] = {}  # accepted requests; engine thread only
+        self._prompt_lps: set[str] = set()  # tracked ones whose prompt logprobs are not sent yet
         self._stop_watch = threading.Event()
         self._snapshot: dict[str, Any] = {}
         self._snapshot_at = 0.0
@@ -138,9 +142,10 @@ class AsyncEngine:
 
     # -- requests (event loop) -------------------------------------------------------------------
     async def add(self, prompt_token_ids: Sequence[int], params: SamplingParams,
-                  request_id: str) -> RequestStream:
-        """Queue a request; returns once the engine accepted it. Raises what ``add_request``
-        raised (RequestError, SamplingParamsError) or EngineDeadError."""
+                  request_id: str, salt: str | None = None) -> RequestStream:
+        """Queue a request (``salt``: its prefix-cache namespace); returns once the engine
+        accepted it. Raises what ``add_request`` raised (RequestError, SamplingParamsError) or
+        EngineDeadError."""
         stream = RequestStream(request_id, self, asyncio.get_running_loop())
         with self._lock:
             if self._fatal is not None:
@@ -153,7 +158,7 @@ class AsyncEngine:
             if not self._streams:
                 self._busy_since = time.monotonic()
             self._streams[request_id] = stream
-            self._commands.put(("add", stream, list(prompt_token_ids), params))
+            self._commands.put(("add", stream, list(prompt_token_ids), params, salt))
         self._wake()
         try:
             await stream.wait_accepted()
@@ -178,6 +183,9 @@ class AsyncEngine:
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         eng = self.engine
+        # an in-process engine's admissions are stamped here; a two-process one's in its core
+        sched = getattr(eng, "scheduler", None)
+        clock = None if sched is None else AdmissionClock(sched)
         try:
             while True:
                 self._drain(block=not eng.has_unfinished())
@@ -186,7 +194,13 @@ class AsyncEngine:
                 if not eng.has_unfinished():
                     self._refresh_snapshot(force=True)
                     continue
-                self._publish(eng.step())
+                if clock is None:
+                    self._publish(eng.step())
+                else:
+                    clock.before()
+                    changed = eng.step()
+                    clock.after(changed)
+                    self._publish(changed)
                 self._refresh_snapshot()
         except BaseException as e:  # the loop itself failed: nothing can be served any more
             log.error("engine loop died:\n%s", traceback.format_exc())
@@ -200,7 +214,7 @@ class AsyncEngine:
         posts: list[tuple[RequestStream, Any]] = []
         while True:
             if cmd[0] == "add":
-                self._do_add(cmd[1], cmd[2], cmd[3], posts)
+                self._do_add(cmd[1], cmd[2], cmd[3], cmd[4], posts)
             elif cmd[0] == "abort":
                 self._do_abort(cmd[1])
             try:
@@ -210,19 +224,22 @@ class AsyncEngine:
         deliver(posts)
 
     def _do_add(self, stream: RequestStream, ids: list[int], params: SamplingParams,
-                posts: list[tuple[RequestStream, Any]]) -> None:
+                salt: str | None, posts: list[tuple[RequestStream, Any]]) -> None:
         try:
-            req = self.engine.add_request(ids, params, request_id=stream.request_id)
+            req = self.engine.add_request(ids, params, request_id=stream.request_id, salt=salt)
         except Exception as e:  # refused: the handler turns it into a 400 (or a 500 if a bug)
             posts.append((stream, e))
             return
         self._tracked[req.request_id] = stream
+        if req.wants_prompt_logprobs:
+            self._prompt_lps.add(req.request_id)
         posts.append((stream, ACCEPTED))
 
     def _do_abort(self, request_id: str) -> None:
         t = self._tracked.pop(request_id, None)
         if t is None:
             return
+        self._prompt_lps.discard(request_id)
         self.engine.abort(request_id)
         req = self.engine.pop_finished(request_id)
         if req is not None and self.on_finish is not None:
@@ -231,6 +248,7 @@ class AsyncEngine:
     def _publish(self, changed: list[Request]) -> None:
         eng = self.engine
         posts: list[tuple[RequestStream, Any]] = []
+        on_output = self.on_output
         for req in changed:
             rid = req.request_id
             stream = self._tracked.get(rid)
@@ -238,7 +256,14 @@ class AsyncEngine:
                 if req.is_finished:
                     eng.pop_finished(rid)
                 continue
-            posts.append((stream, eng.delta(req)))
+            if on_output is not None:
+                on_output(req)
+            delta = eng.delta(req)
+            if self._prompt_lps and rid in self._prompt_lps and (
+                    req.output_token_ids or req.is_finished):  # the prompt is computed
+                self._prompt_lps.discard(rid)
+                delta.prompt_logprobs = list(req.prompt_logprobs)
+            posts.append((stream, delta))
             if req.is_finished:
                 del self._tracked[rid]
                 eng.pop_finished(rid)

@@ -61,16 +61,27 @@ class OpenAIServer:
                  served_model_name: str | None = None, step_timeout_s: float = 120.0,
                  shutdown_grace_s: float = 5.0, log_level: str = "info",
                  access_log: bool = False,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 api_keys: list[str] | None = None, metrics_require_key: bool = False,
+                 cache_isolation: bool = True, tool_call_parser: str = "auto",
+                 chat_template: str | None = None) -> None:
+        """``chat_template``: the template text that replaces the checkpoint's
+        (``--chat-template``); the rest as ``build_app`` and ``cuteinfer serve --help`` say."""
         self.served_model_name = served_model_name or model_name(engine.config.model,
                                                                  engine.model_dir)
+        if chat_template is not None:
+            set_chat_template(engine, chat_template)
         self.async_engine = AsyncEngine(engine, step_timeout_s=step_timeout_s,
                                         on_fatal=self._on_fatal)
         self.metrics = ServerMetrics(self.async_engine.snapshot,
-                                     lambda: self.async_engine.health()[0])
+                                     lambda: self.async_engine.health()[0],
+                                     model_name=self.served_model_name)
         self.async_engine.on_finish = self.metrics.on_finish
+        self.async_engine.on_output = self.metrics.on_output
         self.app = build_app(self.async_engine, self.served_model_name, self.metrics,
-                             max_request_bytes=max_request_bytes)
+                             max_request_bytes=max_request_bytes, api_keys=api_keys,
+                             metrics_require_key=metrics_require_key,
+                             cache_isolation=cache_isolation, tool_call_parser=tool_call_parser)
         self.shutdown_grace_s = shutdown_grace_s
         config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
                                 access_log=access_log, lifespan="off",
@@ -187,3 +198,22 @@ class OpenAIServer:
             self._thread.join(timeout)
         self.async_engine.shutdown(timeout=JOIN_TIMEOUT_S)
         self._stop_core()
+
+
+def set_chat_template(engine: LLMEngine | MultiprocessEngine, template: str) -> None:
+    """Serve with ``template`` instead of the checkpoint's chat template (the front end renders
+    it, whichever process the core runs in); a template that does not compile is refused."""
+    from jinja2 import TemplateSyntaxError
+
+    from engine.tokenizer import TokenizerError, _compile
+
+    tok = engine.tokenizer
+    if tok is None:
+        raise TokenizerError("--chat-template needs a tokenizer, and this checkpoint has no "
+                             "tokenizer.json")
+    try:
+        _compile(template)
+    except TemplateSyntaxError as e:
+        raise TokenizerError(f"--chat-template does not compile: {e} (line {e.lineno})") \
+            from None
+    tok.chat_template = template

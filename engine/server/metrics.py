@@ -1,9 +1,34 @@
-"""Prometheus metrics for ``/metrics`` (prometheus-client, one registry per server).
+"""Prometheus metrics for ``/metrics`` (prometheus-client, one registry per server): vLLM's names
+under the ``cuteinfer:`` prefix, every series labelled ``model_name`` (the served model name).
 
-Per-request numbers (outcomes, TTFT / TPOT / end-to-end latency, token counts, prefix-cache hits)
-are observed on the engine thread as each request finishes. Engine gauges (running and waiting
-requests, KV pages, preemptions, graph replays vs eager steps) are read at scrape time from the
-snapshot the engine thread publishes, so a scrape never touches the engine.
+    vLLM's                                   here as cuteinfer:<name>, from
+    num_requests_running / _waiting          gauges   the engine snapshot (scrape time)
+    kv_cache_usage_perc                      gauge    "   (KV pages in use / all pages, 0..1)
+    num_preemptions_total                    counter  "   (the scheduler's count)
+    prompt_tokens_total                      counter  per request, when its prompt is computed
+    generation_tokens_total                  counter  per step, as tokens arrive
+    prefix_cache_queries_total / _hits_total counter  prompt tokens looked up / found, at prefill
+    time_to_first_token_seconds              histo    arrival -> first token
+    inter_token_latency_seconds              histo    between a request's successive steps
+    e2e_request_latency_seconds              histo    arrival -> finish
+    request_queue_time_seconds               histo    arrival -> first admitted (scheduled)
+    request_prefill_time_seconds             histo    scheduled -> first token
+    request_decode_time_seconds              histo    first token -> last token
+    request_inference_time_seconds           histo    scheduled -> last token
+    request_time_per_output_token_seconds    histo    per request: decode time / (tokens - 1)
+    request_success_total{finished_reason}   counter  stop, length, abort
+
+and cuteinfer's own: ``requests_total{outcome}`` (finish reasons plus the HTTP layer's refusals:
+rejected = 4xx, unauthorized = 401, unavailable = 503), ``engine_healthy``, ``kv_pages{state}``,
+``prefix_cache_hit_rate``, ``engine_steps_total{kind}``.
+
+Per-request numbers are observed on the engine thread: ``on_output`` for each request a step
+changed (a few dict reads and at most one histogram observation), ``on_finish`` once per request.
+The timestamps are ``Request.metrics``' (``time.perf_counter()``): arrival (front end),
+scheduled (the core's admission: ``engine.core.process.AdmissionClock``), first and last token.
+Engine gauges are read at scrape time from the snapshot the engine thread publishes (with the
+engine core in its own process, the snapshot the core sends every 0.1 s), so a scrape never
+touches the engine.
 """
 
 from __future__ import annotations
@@ -12,78 +37,138 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.request import Request
 
+PREFIX = "cuteinfer:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-                0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+               0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+                 40.0, 60.0, 120.0, 240.0, 480.0)
 
 # outcome label values: the engine's finish reasons, plus what the HTTP layer refuses
-OUTCOMES = ("stop", "length", "abort", "error", "rejected", "unavailable")
+OUTCOMES = ("stop", "length", "abort", "error", "rejected", "unauthorized", "unavailable")
+SUCCESS_REASONS = ("stop", "length", "abort")  # vLLM's request_success finished_reason values
+_SEEN_AT, _SEEN_N = "seen_token", "seen_tokens"  # Request.metrics keys of on_output's cursor
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], dict[str, Any]],
-                 healthy: Callable[[], bool]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], healthy: Callable[[], bool],
+                 model_name: str = "") -> None:
+        disable_created_metrics()  # no *_created series (as vLLM): process-wide, idempotent
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.requests = Counter("cuteinfer_requests", "Requests by outcome: finish reason "
-                                "(stop, length, abort, error) or refusal (rejected = 4xx, "
-                                "unavailable = 503)", ["outcome"], registry=r)
+        r, label = self.registry, ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*label, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(PREFIX + name, doc, label, buckets=buckets,
+                             registry=r).labels(model_name)
+
+        self.requests = counter("requests", "Requests by outcome: finish reason (stop, length, "
+                                "abort, error) or refusal (rejected = 4xx, unauthorized = 401, "
+                                "unavailable = 503)", ("outcome",))
         for o in OUTCOMES:
-            self.requests.labels(o)
-        self.ttft = Histogram("cuteinfer_time_to_first_token_seconds",
-                              "Arrival at the engine to the first output token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("cuteinfer_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, per request",
-                              buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("cuteinfer_e2e_request_latency_seconds",
-                             "Arrival at the engine to the end of the request",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("cuteinfer_prompt_tokens", "Prompt tokens of finished "
-                                     "requests", registry=r)
-        self.generation_tokens = Counter("cuteinfer_generation_tokens", "Output tokens of "
-                                         "finished requests", registry=r)
-        self.prefix_queried = Counter("cuteinfer_prefix_cache_queries", "Prompt tokens looked "
-                                      "up in the prefix cache (finished requests)", registry=r)
-        self.prefix_hits = Counter("cuteinfer_prefix_cache_hits", "Prompt tokens found in the "
-                                   "prefix cache (finished requests)", registry=r)
+            self.requests.labels(model_name, o)
+        self.success = counter("request_success", "Finished requests by finish reason",
+                               ("finished_reason",))
+        for reason in SUCCESS_REASONS:
+            self.success.labels(model_name, reason)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed or found in the "
+                                     "prefix cache (per request, at its first token)"
+                                     ).labels(model_name)
+        self.generation_tokens = counter("generation_tokens", "Output tokens generated"
+                                         ).labels(model_name)
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the "
+                                      "prefix cache").labels(model_name)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix "
+                                   "cache").labels(model_name)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first output "
+                              "token", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's "
+                             "successive output steps", ITL_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds", "Per request: decode "
+                              "time / (output tokens - 1)", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the end of the request",
+                             PHASE_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled "
+                               "(time spent waiting)", PHASE_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to the first "
+                                 "output token", PHASE_BUCKETS)
+        self.decode = histogram("request_decode_time_seconds", "First output token to the last",
+                                PHASE_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds", "First scheduled to the "
+                                   "last output token", PHASE_BUCKETS)
         self.prefix_query_total = 0  # the same two counts, for the hit-rate gauge
         self.prefix_hit_total = 0
         r.register(_EngineCollector(snapshot, healthy, self))
 
-    def on_finish(self, req: Request) -> None:
-        """Engine thread: a request finished (any reason)."""
+    # -- the engine thread -----------------------------------------------------------------------
+    def on_output(self, req: Request) -> None:
+        """A step changed ``req`` (new tokens, or finished): token counts and the ITL."""
         m = req.metrics
-        now = time.perf_counter()
-        reason = req.finish_reason.value if req.finish_reason else "error"
-        self.requests.labels(reason).inc()
-        arrival = m.get("arrival")
-        first = m.get("first_token")
+        last = m.get("last_token")
+        if last is None:
+            return
         n = len(req.output_token_ids)
-        if arrival is not None:
-            self.e2e.observe(now - arrival)
-            if first is not None:
-                self.ttft.observe(first - arrival)
-        if first is not None and n > 1:
-            self.tpot.observe((m.get("last_token", first) - first) / (n - 1))
-        self.generation_tokens.inc(n)
-        self.prompt_tokens.inc(req.num_prompt_tokens)
-        if first is not None:  # it was admitted, so the prefix cache was consulted
+        seen = m.get(_SEEN_AT)
+        if seen is None:  # the first token: the prompt is computed
+            self.prompt_tokens.inc(req.num_prompt_tokens)
             hit = min(req.num_cached_tokens, req.num_prompt_tokens)
-            self.prefix_queried.inc(req.num_prompt_tokens)
+            self.prefix_queries.inc(req.num_prompt_tokens)
             self.prefix_hits.inc(hit)
             self.prefix_query_total += req.num_prompt_tokens
             self.prefix_hit_total += hit
+        elif last > seen:
+            self.itl.observe(last - seen)
+        m[_SEEN_AT] = last
+        new = n - int(m.get(_SEEN_N, 0))
+        if new > 0:
+            self.generation_tokens.inc(new)
+            m[_SEEN_N] = n
+
+    def on_finish(self, req: Request) -> None:
+        """A request finished (any reason); ``on_output`` has seen its tokens."""
+        m = req.metrics
+        now = time.perf_counter()
+        reason = req.finish_reason.value if req.finish_reason else "error"
+        self.requests.labels(self.model_name, reason).inc()
+        if reason in SUCCESS_REASONS:
+            self.success.labels(self.model_name, reason).inc()
+        arrival, scheduled = m.get("arrival"), m.get("scheduled")
+        first, last = m.get("first_token"), m.get("last_token")
+        if arrival is not None:
+            self.e2e.observe(now - arrival)
+        if first is None:  # never produced a token: no phase to time
+            return
+        last = first if last is None else last
+        if arrival is not None:
+            self.ttft.observe(first - arrival)
+            if scheduled is not None:
+                self.queue.observe(max(0.0, scheduled - arrival))
+        if scheduled is not None:
+            self.prefill.observe(max(0.0, first - scheduled))
+            self.inference.observe(max(0.0, last - scheduled))
+        self.decode.observe(last - first)
+        n = len(req.output_token_ids)
+        if n > 1:
+            self.tpot.observe((last - first) / (n - 1))
 
     def refused(self, status: int) -> None:
-        self.requests.labels("unavailable" if status == 503 else "rejected").inc()
+        outcome = {503: "unavailable", 401: "unauthorized"}.get(status, "rejected")
+        self.requests.labels(self.model_name, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -102,35 +187,41 @@ class _EngineCollector:
     def collect(self) -> Iterator[Metric]:
         s = self.snapshot()
         kv = s.get("kv", {})
-        g = GaugeMetricFamily("cuteinfer_engine_healthy", "1 while the engine loop is alive "
-                              "and making progress, else 0")
-        g.add_metric([], 1.0 if self.healthy() else 0.0)
-        yield g
-        for name, key, doc in (("running", "running", "Requests in the running batch"),
-                               ("waiting", "waiting", "Requests waiting (incl. preempted)")):
-            g = GaugeMetricFamily(f"cuteinfer_num_requests_{name}", doc)
-            g.add_metric([], float(s.get(key, 0)))
-            yield g
-        g = GaugeMetricFamily("cuteinfer_kv_pages", "KV pages by state: live (in a request's "
+        m = self.metrics
+        model = [m.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(model, value)
+            return g
+
+        yield gauge("engine_healthy", "1 while the engine loop is alive and making progress, "
+                    "else 0", 1.0 if self.healthy() else 0.0)
+        yield gauge("num_requests_running", "Requests in the running batch",
+                    float(s.get("running", 0)))
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. "
+                    "preempted)", float(s.get("waiting", 0)))
+        pages = kv.get("pages", 0)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0 to 1)",
+                    kv.get("in_use", 0) / pages if pages else 0.0)
+        g = GaugeMetricFamily(PREFIX + "kv_pages", "KV pages by state: live (in a request's "
                               "table), cached (registered in the prefix cache), reclaimable "
-                              "(inactive, evictable), free, in_use, total", labels=["state"])
+                              "(inactive, evictable), free, in_use, total",
+                              labels=["model_name", "state"])
         for state, key in (("live", "live"), ("cached", "cached"),
                            ("reclaimable", "reclaimable"), ("free", "free"),
                            ("in_use", "in_use"), ("total", "pages")):
-            g.add_metric([state], float(kv.get(key, 0)))
+            g.add_metric([*model, state], float(kv.get(key, 0)))
         yield g
-        m = self.metrics
         queried, hits = m.prefix_query_total, m.prefix_hit_total
-        g = GaugeMetricFamily("cuteinfer_prefix_cache_hit_rate", "Prompt tokens served from "
-                              "the prefix cache / prompt tokens looked up, since start")
-        g.add_metric([], hits / queried if queried else 0.0)
-        yield g
-        c = CounterMetricFamily("cuteinfer_num_preemptions", "Requests preempted (pages "
-                                "released, recomputed later)")
-        c.add_metric([], float(s.get("num_preemptions", 0)))
+        yield gauge("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / prompt "
+                    "tokens looked up, since start", hits / queried if queried else 0.0)
+        c = CounterMetricFamily(PREFIX + "num_preemptions", "Requests preempted (pages "
+                                "released, recomputed later)", labels=["model_name"])
+        c.add_metric(model, float(s.get("num_preemptions", 0)))
         yield c
-        c = CounterMetricFamily("cuteinfer_engine_steps", "Engine steps by kind: graph "
-                                "(CUDA graph replay), eager, failed", labels=["kind"])
+        c = CounterMetricFamily(PREFIX + "engine_steps", "Engine steps by kind: graph (CUDA "
+                                "graph replay), eager, failed", labels=["model_name", "kind"])
         for kind in ("graph", "eager", "failed"):
-            c.add_metric([kind], float(s.get(f"{kind}_steps", 0)))
+            c.add_metric([*model, kind], float(s.get(f"{kind}_steps", 0)))
         yield c

@@ -3,7 +3,7 @@ sampling fields onto ``SamplingParams``.
 
 Types are strict, as OpenAI's API is: ``"max_tokens": "5"`` is a 400, not a coerced 5. Unknown
 fields are accepted and ignored (clients send vendor extras); fields the engine cannot honor
-(``n`` > 1, penalties, ``logit_bias``, ``echo``, tools...) are refused with a 400 that names them.
+(``suffix``, beam search...) are refused with a 400 that names them.
 
 Sampling fields a request leaves out (or sends as null) stay unset in ``SamplingParams``: the
 model's generation_config.json defaults fill them (``--generation-config auto``, as vLLM), else
@@ -23,21 +23,33 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 from pydantic_core import PydanticCustomError
 
 from engine.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
     SamplingParamsError,
 )
+from engine.server.structured_outputs import (
+    FieldError,
+    check_unsupported,
+    processor_kwargs,
+    structured_outputs,
+)
 
 # MAX_STOP_* and MAX_LOGPROBS are the engine's (SamplingParams checks them too); these the API's
-MAX_LOGIT_BIAS = 1024  # entries (refused anyway while logit_bias is unsupported)
+MAX_LOGIT_BIAS = 1024  # entries (SamplingParams' bound too)
 MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256  # per message
 MAX_NAME_LEN = 1024  # model, user, message name (characters)
 MAX_ROLE_LEN = 64  # role and content part type
-MAX_TOOLS = 128  # refused anyway while tools are unsupported
+MAX_TOOLS = 128
+MAX_N = 16  # choices per prompt (each one its own engine request)
+MAX_PROMPTS = 32  # prompts in one /v1/completions request
+MAX_COMPLETIONS = 64  # prompts x n: the engine requests one API request may start
 MAX_TEMPLATE_KWARGS = 64  # keys of chat_template_kwargs
 MAX_TEMPLATE_KWARGS_SIZE = 65536  # chat_template_kwargs: string characters + one per value
 
@@ -96,6 +108,8 @@ def _text(s: str) -> str:
 Text = Annotated[str, AfterValidator(_text)]
 Name = Annotated[str, StringConstraints(max_length=MAX_NAME_LEN), AfterValidator(_text)]
 Role = Annotated[str, StringConstraints(max_length=MAX_ROLE_LEN), AfterValidator(_text)]
+Salt = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME_LEN),
+                 AfterValidator(_text)]
 StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_STRING_LEN),
                        AfterValidator(_text)]
 
@@ -145,6 +159,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk (with the above)
 
 
 class _SamplingBody(_Body):
@@ -155,7 +170,7 @@ class _SamplingBody(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
@@ -165,31 +180,42 @@ class _SamplingBody(_Body):
     # vLLM's extra sampling fields
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = None  # refused unless 1 (a model default is ignored)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    # logits processors and structured output (engine/server/structured_outputs.py; vLLM's
+    # structured_outputs and guided_* extras are read from the extra fields there)
+    min_tokens: int | None = Field(None, ge=0)
+    bad_words: Annotated[list[StopString], Field(max_length=MAX_BAD_WORDS)] | None = None
+    allowed_token_ids: list[int] | None = Field(None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    response_format: dict[str, Any] | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     return_tokens_as_token_ids: bool | None = False  # logprob tokens as "token_id:N"
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # the prefix-cache namespace (vLLM's): prompts cached under another salt are not reused
+    cache_salt: Salt | None = None
 
     def check_supported(self) -> None:
-        if self.n not in (None, 1):
-            raise bad_request(f"n={self.n} is not supported: this server returns one choice per "
-                              "request (n=1); send separate requests instead", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported; leave it at 0", name)
-        if self.repetition_penalty not in (None, 1.0):
-            raise bad_request("repetition_penalty is not supported; leave it at 1",
-                              "repetition_penalty")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
+        try:  # vLLM fields this server does not implement; one structured-output source
+            check_unsupported(self.model_extra)
+            structured_outputs(self)
+        except FieldError as e:
+            raise bad_request(str(e), e.param) from None
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed when stream is true",
                               "stream_options")
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: vLLM's continuous_usage_stats, with include_usage."""
+        return self.include_usage() and bool(self.stream_options
+                                             and self.stream_options.continuous_usage_stats)
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         vocab_size: int) -> SamplingParams:
@@ -198,46 +224,61 @@ class _SamplingBody(_Body):
             top_k = 0  # (and fits the int32 batch)
         try:  # None = unset: the model's default, else the built-in one
             return SamplingParams(
+                **processor_kwargs(self),
                 max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                 top_k=top_k, min_p=self.min_p, seed=self.seed,
                 stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
+                prompt_logprobs=self.num_prompt_logprobs(),
                 skip_special_tokens=self.skip_special_tokens is not False,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output))
         except SamplingParamsError as e:
             raise bad_request(str(e), e.field) from None
+        except FieldError as e:
+            raise bad_request(str(e), e.param) from None
 
 
 class CompletionRequest(_SamplingBody):
-    """POST /v1/completions. ``prompt``: a string, a list of token ids, or a one-element list of
-    either (batches of prompts are refused: send one request per prompt)."""
+    """POST /v1/completions. ``prompt``: a string, a list of token ids, or a list of either
+    (up to MAX_PROMPTS prompts, each with its ``n`` choices)."""
 
-    prompt: Text | list[int] | list[Text] | list[list[int]]
+    prompt: (Text | list[int] | Annotated[list[Text], Field(max_length=MAX_PROMPTS)]
+             | Annotated[list[list[int]], Field(max_length=MAX_PROMPTS)])
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool | None = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: Text | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request("best_of is not supported (only 1)", "best_of")
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise bad_request(f"best_of={self.best_of} with n={n}: best_of must equal n (this "
+                              "server returns every choice it samples)", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or token ids; at least one, none empty-listed."""
         p = self.prompt
         if isinstance(p, str):
-            return p
-        if p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise bad_request(f"got {len(p)} prompts: this server takes one prompt per "
-                                  "request", "prompt")
-            return p[0]  # type: ignore[return-value]
-        return p  # type: ignore[return-value]
+            return [p]
+        if not p:
+            raise bad_request("prompt is empty: send a string, token ids, or a list of them",
+                              "prompt")
+        if isinstance(p[0], str | list):
+            if len(p) * (self.n or 1) > MAX_COMPLETIONS:
+                raise bad_request(f"{len(p)} prompts x n={self.n or 1} is more than "
+                                  f"{MAX_COMPLETIONS} completions in one request; send fewer",
+                                  "n")
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
+
+    def num_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # the echoed prompt's logprobs (vLLM's)
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class ContentPart(_Body):
@@ -260,19 +301,14 @@ class ChatCompletionRequest(_SamplingBody):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # checked by engine.server.tools
+    parallel_tool_calls: bool | None = None
     # vLLM's extras: template variables (Qwen3: enable_thinking) and the generation prompt
     chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
     add_generation_prompt: bool | None = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise bad_request("tools are not supported", "tools")
-        rf = self.response_format
-        if rf and rf.get("type") not in (None, "text"):
-            raise bad_request("response_format other than {'type': 'text'} is not supported",
-                              "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
@@ -310,3 +346,36 @@ class ChatCompletionRequest(_SamplingBody):
                 d["content"] = "\n".join(texts)
             out.append(d)
         return out
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a ``prompt``, or chat ``messages`` rendered with the chat template
+    as /v1/chat/completions renders them (``tools`` and ``chat_template_kwargs`` included)."""
+
+    model: Name | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None \
+        = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_generation_prompt: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=MAX_TEMPLATE_KWARGS)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
+    return_token_strs: bool | None = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("send exactly one of prompt and messages", "prompt")
+
+    def chat(self) -> ChatCompletionRequest:
+        """The messages as a chat request, for the chat path's rendering and checks."""
+        return ChatCompletionRequest(messages=self.messages or [],
+                                     chat_template_kwargs=self.chat_template_kwargs,
+                                     tools=self.tools, tool_choice="none",
+                                     add_generation_prompt=self.add_generation_prompt)
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids -> text."""
+
+    model: Name | None = None
+    tokens: list[int]

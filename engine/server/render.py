@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.request import Logprob, LogprobDict
@@ -28,9 +28,16 @@ def error_event(d: StreamDelta) -> bytes:
 
 
 def usage(d: StreamDelta) -> dict[str, Any]:
-    return {"prompt_tokens": d.num_prompt_tokens, "completion_tokens": d.num_output_tokens,
-            "total_tokens": d.num_prompt_tokens + d.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": d.num_cached_tokens}}
+    return usage_of(d.num_prompt_tokens, d.num_output_tokens, d.num_cached_tokens)
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int,
+             cached_tokens: int | None = None) -> dict[str, Any]:
+    u: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                         "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        u["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return u
 
 
 def _lp(x: float) -> float:
@@ -61,6 +68,50 @@ def completion_logprobs(token_ids: Sequence[int], lps: Sequence[LogprobDict],
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}, offset
+
+
+def echo_logprobs(prompt_ids: Sequence[int], lps: Sequence[LogprobDict | None],
+                  decode: Callable[[int], str], as_ids: bool = False
+                  ) -> tuple[dict[str, Any], int]:
+    """The legacy completions shape of an echoed prompt: the first token has no logprob (null,
+    as OpenAI and vLLM give it); ``decode`` spells tokens the logprobs do not. Returns it and the
+    next text offset."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for pos, tid in enumerate(prompt_ids):
+        d = lps[pos] if pos < len(lps) else None
+        lp = None if d is None else d.get(tid)
+        s = f"token_id:{tid}" if as_ids else (
+            lp.decoded_token if lp is not None and lp.decoded_token is not None else decode(tid))
+        tokens.append(s)
+        token_lps.append(None if lp is None else _lp(lp.logprob))
+        tops.append(None if d is None else {_token(v, t, as_ids): _lp(v.logprob)
+                                            for t, v in d.items()})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}, offset
+
+
+def join_logprobs(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs blocks (the echoed prompt's, then the completion's) as one."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: a[k] + b[k] for k in a}
+
+
+def prompt_logprobs_json(lps: Sequence[LogprobDict | None] | None
+                         ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt position null (the first, and positions served
+    from the prefix cache) or {token id: {logprob, rank, decoded_token}}."""
+    if lps is None:
+        return None
+    return [None if d is None else {
+        str(t): {"logprob": _lp(v.logprob), "rank": v.rank, "decoded_token": v.decoded_token}
+        for t, v in d.items()} for d in lps]
 
 
 def _chat_entry(s: str, logprob: float) -> dict[str, Any]:

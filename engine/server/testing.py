@@ -76,11 +76,11 @@ def running_server(engine: LLMEngine | MultiprocessEngine, **kwargs: Any) -> Ite
 
 
 def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
-         timeout: float = 60.0) -> tuple[int, Any]:
+         timeout: float = 60.0, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     """One plain HTTP request (stdlib); returns (status, parsed JSON or text)."""
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
     req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             status, text = r.status, r.read().decode()

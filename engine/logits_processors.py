@@ -1,0 +1,307 @@
+"""Per-request logits processors, host side: what each request asks for, and one step's rows.
+
+vLLM's processors and order (its v1 sampler): the structured-output grammar mask, then (logprobs
+are taken here: they see the grammar mask and nothing after it) allowed_token_ids, bad_words,
+min_tokens (EOS and stop_token_ids masked while fewer outputs exist), logit_bias, and the
+penalties: repetition over prompt and output tokens (a positive logit is divided by it, a
+negative one multiplied), frequency (times the output count) and presence (once if the output
+holds the token). The math is ``engine.sampling.process_logits`` (numpy, the reference) and
+``cutlass_kernels/logits_process.py`` (inside the decode graphs).
+
+What lives where:
+- static per request (``RequestProcessors``, made at admission): penalties, the merged
+  logit_bias, the stop ids min_tokens masks, the bad words' token sequences, the matcher;
+- on the device per request, in a slot (``SlotPool``, ``max_num_seqs`` slots): output token
+  counts (advanced on the device by the token sampled for the slot), the prompt's token bitmask,
+  the allowed-token bitmask. A slot is taken on the request's first sampled step, kept across
+  preemption and released when the request finishes; when every slot is held, one held by a
+  request outside this step is taken over, and that request's slot is rebuilt from its token ids
+  when it next samples (``SlotInit``);
+- per step (``ProcessorRows``, built by ``LogitsProcessorState.prepare``): flags, penalties,
+  the sparse (token, value) lists (logit_bias, bans) and the grammar bitmasks of the rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engine.step import (
+    FLAG_ALLOWED,
+    FLAG_GRAMMAR,
+    FLAG_PENALTY,
+    FLAG_SAVE_RAW,
+    FLAG_SPARSE,
+    ProcessorRows,
+    SlotInit,
+)
+from engine.structured.grammar import GrammarError
+from engine.structured.matcher import Advance, GrammarCache, StructuredRequest, bitmask_words
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from engine.request import FinishReason, Request
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import SchedulerOutput
+    from engine.tokenizer import Tokenizer
+
+NEG_INF = np.float32(-np.inf)
+
+
+class ProcessorError(ValueError):
+    """A processor a request asks for that this model cannot give it (names the field)."""
+
+
+def token_bits(ids: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
+    """uint32 [ceil(V/32)]: bit ``v & 31`` of word ``v >> 5`` set for each id."""
+    w = bitmask_words(vocab_size)
+    flat = np.zeros(w * 32, np.bool_)
+    flat[np.asarray(ids, np.int64)] = True
+    return np.packbits(flat, bitorder="little").view(np.uint32)
+
+
+def bits_to_mask(bits: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The inverse of ``token_bits`` for a [.., W] array: bool [.., V]."""
+    b = np.ascontiguousarray(bits, np.uint32)
+    return np.unpackbits(b.view(np.uint8), axis=-1, bitorder="little")[..., :vocab_size] \
+        .astype(bool)
+
+
+def check_params(params: SamplingParams, vocab_size: int, tokenizer: Tokenizer | None) -> None:
+    """What SamplingParams cannot check alone: token ids inside the vocabulary, a tokenizer
+    for bad words and structured output. Raises ProcessorError naming the field."""
+    for name, ids in (("logit_bias", params.logit_bias or {}),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ProcessorError(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab_size})")
+    for name in ("bad_words", "structured_outputs"):
+        if getattr(params, name) and tokenizer is None:
+            raise ProcessorError(f"{name} needs the model's tokenizer (tokenizer.json), which "
+                                 "this checkpoint does not have")
+
+
+def bad_word_ids(words: Sequence[str], tokenizer: Tokenizer) -> list[list[int]]:
+    """vLLM's tokenization of bad words: each word as is (left-stripped) and with a leading
+    space, the second kept only when it is a different token sequence of the same length."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out
+
+
+class RequestProcessors:
+    """A request's processors, fixed at admission (the matcher's state and the slot aside)."""
+
+    def __init__(self, req: Request, bad_words: list[list[int]],
+                 structured: StructuredRequest | None, owner: LogitsProcessorState) -> None:
+        p = req.params
+        self.request = req
+        self.owner = owner
+        self.penalties = np.array([p.repetition_penalty, p.frequency_penalty,
+                                   p.presence_penalty], np.float32)
+        self.has_penalties = bool(p.repetition_penalty != 1.0 or p.frequency_penalty
+                                  or p.presence_penalty)
+        self.allowed = None if p.allowed_token_ids is None else sorted(set(p.allowed_token_ids))
+        self.bias = dict(p.logit_bias or {})
+        self.min_tokens = p.min_tokens
+        stops = set(p.stop_token_ids or ())
+        if not p.ignore_eos:
+            stops.update(req.eos_token_ids)
+        self.stop_ids = sorted(stops)
+        self.bad_single = sorted({w[0] for w in bad_words if len(w) == 1})
+        self.bad_multi = [w for w in bad_words if len(w) > 1]
+        self.structured = structured
+        self.slot: int | None = None
+        self.needs_slot = self.has_penalties or self.allowed is not None
+        self._static = self._sparse_static()
+
+    def _sparse_static(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The sparse list when nothing per step changes it (logit_bias, single-token bans)."""
+        if self.min_tokens or self.bad_multi:
+            return None
+        return self._pack({**self.bias, **dict.fromkeys(self.bad_single, NEG_INF)})
+
+    @staticmethod
+    def _pack(entries: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+        return (np.fromiter(entries.keys(), np.int32, len(entries)),
+                np.fromiter(entries.values(), np.float32, len(entries)))
+
+    def sparse(self) -> tuple[np.ndarray, np.ndarray]:
+        """This step's (token ids, values): logit_bias, then -inf for bans (a ban wins)."""
+        if self._static is not None:
+            return self._static
+        entries: dict[int, float] = dict(self.bias)
+        out = self.request.output_token_ids
+        if len(out) < self.min_tokens:
+            entries.update(dict.fromkeys(self.stop_ids, NEG_INF))
+        entries.update(dict.fromkeys(self.bad_single, NEG_INF))
+        for w in self.bad_multi:  # the word's last token, when the output ends with the rest
+            k = len(w) - 1
+            if len(out) >= k and out[-k:] == w[:-1]:
+                entries[w[-1]] = NEG_INF
+        return self._pack(entries)
+
+    def slot_init(self, vocab_size: int) -> SlotInit:
+        req = self.request
+        return SlotInit(self.slot, token_bits(req.prompt_token_ids, vocab_size),  # type: ignore
+                        None if self.allowed is None else token_bits(self.allowed, vocab_size),
+                        np.array(req.output_token_ids, np.int32))
+
+    def release(self) -> None:
+        """The request finished (``Request.finish``): its slot and matcher go."""
+        self.structured = None
+        self.owner.pool.release(self)
+        self.owner.live.discard(id(self))
+
+
+class SlotPool:
+    """``size`` device slots of per-request state (see the module docstring)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.free = list(range(size - 1, -1, -1))
+        self.holders: dict[int, RequestProcessors] = {}
+
+    def acquire(self, rp: RequestProcessors, in_step: set[int]) -> int:
+        """A slot for ``rp``; ``in_step``: slots this step's rows hold (never taken over)."""
+        if self.free:
+            s = self.free.pop()
+        else:
+            s = next(k for k in self.holders if k not in in_step)
+            self.holders.pop(s).slot = None  # rebuilt from its token ids when it next samples
+        self.holders[s] = rp
+        rp.slot = s
+        return s
+
+    def release(self, rp: RequestProcessors) -> None:
+        s = rp.slot
+        if s is not None and self.holders.get(s) is rp:
+            del self.holders[s]
+            self.free.append(s)
+        rp.slot = None
+
+
+class LogitsProcessorState:
+    """The engine's processor state: attaches processors to requests, builds each step's
+    ``ProcessorRows`` and advances the matchers after it."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
+                 eos_token_ids: tuple[int, ...], num_slots: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.words = bitmask_words(vocab_size)
+        self.pool = SlotPool(num_slots)
+        self.grammars = GrammarCache(tokenizer, vocab_size, eos_token_ids)
+        self.live: set[int] = set()  # id() of the live RequestProcessors
+
+    @property
+    def active(self) -> bool:
+        return bool(self.live)
+
+    def attach(self, req: Request) -> None:
+        """Give ``req`` its processors (none when it asks for none). ProcessorError when the
+        model cannot give them (a grammar that does not compile against its tokenizer)."""
+        p = req.params
+        if not p.has_processors:
+            return
+        check_params(p, self.vocab_size, self.tokenizer)
+        structured = None
+        if p.structured_outputs is not None:
+            try:
+                structured = self.grammars.matcher(p.structured_outputs.grammar_text)
+            except GrammarError as e:
+                raise ProcessorError(f"structured_outputs: {e}") from None
+        bad = bad_word_ids(p.bad_words, self.tokenizer) if p.bad_words else []  # type: ignore
+        rp = RequestProcessors(req, bad, structured, self)
+        req.procs = rp
+        self.live.add(id(rp))
+
+    def prepare(self, sample_reqs: Sequence[Request]) -> ProcessorRows | None:
+        """The step's rows (one per sample row, in order), or None when none has a processor."""
+        rps = [r.procs for r in sample_reqs]
+        if not any(rps):
+            return None
+        s, v = len(rps), self.vocab_size
+        flags = np.zeros(s, np.uint32)
+        slot = np.full(s, -1, np.int32)
+        pen = np.zeros((s, 3), np.float32)
+        pen[:, 0] = 1.0
+        grow = np.full(s, -1, np.int32)
+        counts = np.zeros(s + 1, np.int32)
+        ids: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
+        structured: list[StructuredRequest] = []
+        inits: list[SlotInit] = []
+        in_step = {rp.slot for rp in rps if rp is not None and rp.slot is not None}
+        for i, (req, rp) in enumerate(zip(sample_reqs, rps, strict=True)):
+            if rp is None:
+                continue
+            f = 0
+            if rp.structured is not None:
+                f |= FLAG_GRAMMAR
+                grow[i] = len(structured)
+                structured.append(rp.structured)
+            if rp.needs_slot:
+                if rp.slot is None:
+                    in_step.add(self.pool.acquire(rp, in_step))
+                    inits.append(rp.slot_init(v))
+                slot[i] = rp.slot
+                if rp.allowed is not None:
+                    f |= FLAG_ALLOWED
+                if rp.has_penalties:
+                    f |= FLAG_PENALTY
+                    pen[i] = rp.penalties
+            si, sv = rp.sparse()
+            if si.size:
+                f |= FLAG_SPARSE
+                ids.append(si)
+                vals.append(sv)
+                counts[i + 1] = si.size
+            if f & ~FLAG_GRAMMAR and req.params.logprobs is not None:
+                f |= FLAG_SAVE_RAW  # its logprobs are of the row before these processors
+            flags[i] = f
+        mask = np.empty((len(structured), self.words), np.uint32)
+        self.grammars.fill_bitmasks(structured, mask)
+        return ProcessorRows(
+            flags=flags, slot=slot, penalties=pen, grammar_row=grow, grammar_mask=mask,
+            sparse_start=np.cumsum(counts, dtype=np.int32),
+            sparse_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
+            sparse_vals=np.concatenate(vals) if vals else np.zeros(0, np.float32),
+            inits=inits)
+
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """A step that did not run may have lost its slot inits: its requests' slots are
+        rebuilt from their token ids when they next sample."""
+        for sr in out.seqs:
+            rp = sr.request.procs
+            if rp is not None and rp.slot is not None:
+                self.pool.release(rp)
+
+    def after_step(self, out: SchedulerOutput,
+                   finish: Callable[..., None], stop: FinishReason,
+                   error: FinishReason) -> None:
+        """The step's sampled tokens are appended: advance the matchers. A grammar completed
+        finishes its request (``stop``: only EOS could follow); one that cannot continue
+        finishes it with ``error``."""
+        if not self.live:
+            return
+        for sr in out.seqs:
+            req = sr.request
+            rp = req.procs
+            if not sr.sample or rp is None or rp.structured is None or req.is_finished:
+                continue
+            res = rp.structured.accept(req.output_token_ids[-1])
+            if res is Advance.DONE:
+                finish(req, stop)
+            elif res is Advance.ERROR:
+                finish(req, error, error=f"structured output: the grammar cannot continue "
+                                         f"({rp.structured.error})")

@@ -1,0 +1,70 @@
+"""Break a serving run down by step from the engine's step trace (``CUTEINFER_STEP_TRACE``).
+
+    python -m tools.step_trace TRACE [--json OUT]
+
+Each trace line (engine/engine.py ``LLMEngine.step``): start and end (perf_counter), then the
+cumulative steps, tokens and graph steps, then the running and waiting counts after the step.
+Prints, for graph (decode replay) and eager steps: how many, their total and median time, the
+tokens they computed; the time between steps (the core's own loop: outputs sent, commands read);
+and eager step times by tokens in the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+
+def summarize(lines: list[str]) -> dict:
+    rows = np.array([[float(x) for x in ln.split()] for ln in lines if ln.strip()])
+    if rows.shape[0] < 2:
+        return {"steps": int(rows.shape[0])}
+    t0, t1 = rows[:, 0], rows[:, 1]
+    dur = (t1 - t0) * 1e3
+    tok = np.diff(rows[:, 3], prepend=rows[0, 3] - 0)
+    tok[0] = rows[0, 3]
+    graph = np.diff(rows[:, 4], prepend=0) > 0
+    stepped = np.diff(rows[:, 2], prepend=0) > 0  # not a failed / empty step
+    gaps = (t0[1:] - t1[:-1]) * 1e3
+    busy = gaps < 50  # gaps longer than this: the engine was idle (no work), not slow
+    out: dict = {"steps": int(rows.shape[0]), "wall_s": float(t1[-1] - t0[0])}
+    for name, m in (("graph", graph & stepped), ("eager", ~graph & stepped)):
+        d = dur[m]
+        out[name] = {"n": int(m.sum()), "total_s": float(d.sum() / 1e3),
+                     "ms_p50": float(np.median(d)) if d.size else None,
+                     "ms_p90": float(np.percentile(d, 90)) if d.size else None,
+                     "ms_max": float(d.max()) if d.size else None,
+                     "tokens": int(tok[m].sum())}
+    g = gaps[busy]
+    out["between_steps"] = {"total_s": float(g.sum() / 1e3),
+                            "ms_p50": float(np.median(g)) if g.size else None,
+                            "ms_p99": float(np.percentile(g, 99)) if g.size else None}
+    eager = ~graph & stepped
+    by = {}
+    for lo, hi in ((1, 65), (65, 257), (257, 513), (513, 1025), (1025, 2049), (2049, 1 << 30)):
+        m = eager & (tok >= lo) & (tok < hi)
+        if m.any():
+            by[f"{lo}-{hi - 1}"] = {"n": int(m.sum()), "ms_p50": float(np.median(dur[m])),
+                                    "ms_max": float(dur[m].max())}
+    out["eager_by_tokens"] = by
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("trace")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    with open(a.trace) as f:
+        s = summarize(f.readlines())
+    text = json.dumps(s, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
