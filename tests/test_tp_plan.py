@@ -123,7 +123,12 @@ def test_qwen3_per_rank_bytes(preset: str, n: int) -> None:
     assert weight_bytes(rc) == plan.weight_bytes()
     assert kv_bytes_per_page(rc, 16) == plan.kv_bytes_per_page(16)
     floor = plan.decode_bytes_read(64, 1024)
-    assert floor == plan.weight_bytes() + 64 * 1024 * plan.kv_bytes_per_token()
+    table = 0 if rc.tie_word_embeddings else 2 * rc.hidden_size * (rc.vocab_size - 64)
+    assert floor == plan.weight_bytes() - table + 64 * 1024 * plan.kv_bytes_per_token()
+    if n == 1:  # the single-GPU floor of tools/bench_decode.py
+        from engine.executor.cuda_model import decode_bytes_read
+
+        assert floor == decode_bytes_read(mc, 64, 1024)
 
 
 def test_hand_computed_bytes() -> None:
@@ -140,7 +145,9 @@ def test_hand_computed_bytes() -> None:
     per_layer = 6 * 128 * 4096 + 4096 * 512 + 2 * 1536 * 4096 + 4096 * 1536 + 8448
     assert per_layer == 24_125_696
     assert p8x8.weight_bytes() == 2 * (36 * per_layer + 2 * 19008 * 4096 + 4096) == 2_048_485_376
-    assert p8x8.decode_bytes_read(64, 1024) == 2_048_485_376 + 64 * 1024 * 2 * 36 * 1 * 128 * 2
+    # untied: of the embedding shard only the 64 gathered rows are read
+    assert p8x8.decode_bytes_read(64, 1024) == (2_048_485_376 - 2 * (19008 - 64) * 4096
+                                                + 64 * 1024 * 2 * 36 * 1 * 128 * 2)
     # qwen3-0.6b, N=2 (tied: one embedding shard serves as the head)
     p06 = TensorParallelPlan(qwen3("qwen3-0.6b"), 2)
     per_layer = 16 * 128 * 1024 + 1024 * 1024 + 2 * 1536 * 1024 + 1536 * 1024 + 2304

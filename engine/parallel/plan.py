@@ -244,10 +244,15 @@ class TensorParallelPlan:
 
     def decode_bytes_read(self, batch: int, context: int, dtype_bytes: int = 2) -> int:
         """The bytes one rank must read in a decode step of ``batch`` sequences of ``context``
-        tokens each: all its weights once and its KV of every context token (the memory-bound
-        floor: divided by the HBM bandwidth, the fastest the step can be)."""
-        return self.weight_bytes(dtype_bytes) + batch * context * self.kv_bytes_per_token(
-            dtype_bytes)
+        tokens each: its weights once -- but of an untied embedding shard only the gathered rows
+        (at most ``batch``), as ``cuda_model.decode_bytes_read`` counts them -- and its KV of
+        every context token (the memory-bound floor: over the HBM bandwidth, the fastest the
+        step can be)."""
+        rc = self.rank_config
+        w = self.weight_bytes(dtype_bytes)
+        if not rc.tie_word_embeddings:
+            w += dtype_bytes * rc.hidden_size * (batch - rc.vocab_size)
+        return w + batch * context * self.kv_bytes_per_token(dtype_bytes)
 
 
 def shard_checkpoint(ckpt: Checkpoint, plan: TensorParallelPlan, rank: int) -> Checkpoint:
