@@ -270,13 +270,19 @@ class LogitsProcessorState:
                 f |= FLAG_SAVE_RAW  # its logprobs are of the row before these processors
             flags[i] = f
         mask = np.empty((len(structured), self.words), np.uint32)
-        self.grammars.fill_bitmasks(structured, mask)
+        fill = None
+        if structured:  # computed by the executor (ProcessorRows.fill_masks), maybe overlapped
+            grammars = self.grammars
+
+            def fill() -> None:
+                grammars.fill_bitmasks(structured, mask)
+
         return ProcessorRows(
             flags=flags, slot=slot, penalties=pen, grammar_row=grow, grammar_mask=mask,
             sparse_start=np.cumsum(counts, dtype=np.int32),
             sparse_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
             sparse_vals=np.concatenate(vals) if vals else np.zeros(0, np.float32),
-            inits=inits)
+            inits=inits, fill=fill)
 
     def step_failed(self, out: SchedulerOutput) -> None:
         """A step that did not run may have lost its slot inits: its requests' slots are

@@ -190,6 +190,7 @@ def process_logits(logits: np.ndarray, rows: ProcessorRows, steps: np.ndarray,
 
     x = np.array(logits, np.float32)
     v = x.shape[1]
+    rows.fill_masks()
     for r in np.nonzero(rows.flags & FLAG_GRAMMAR)[0]:
         keep = bits_to_mask(rows.grammar_mask[rows.grammar_row[r]], v)
         x[r, ~keep] = -np.inf

@@ -14,6 +14,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from array import array
+    from collections.abc import Callable
 
     from engine.logits_processors import LogitsProcessorState
     from engine.request import Request
@@ -112,6 +113,15 @@ class ProcessorRows:
     sparse_ids: np.ndarray  # int32 [K] token ids (unique within a row)
     sparse_vals: np.ndarray  # float32 [K] added to the logit (-inf bans the token)
     inits: list[SlotInit] = field(default_factory=list)  # applied before the step
+    # computes grammar_mask in place; deferred so that the cuda executor can run it while the
+    # GPU runs the step's forward (``fill_masks``: every reader of grammar_mask calls it first)
+    fill: Callable[[], None] | None = None
+
+    def fill_masks(self) -> None:
+        """The grammar bitmasks, computed now (once)."""
+        if self.fill is not None:
+            fill, self.fill = self.fill, None
+            fill()
 
 
 @dataclass

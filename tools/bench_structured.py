@@ -21,6 +21,22 @@ SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "maxLength
           "required": ["text"]}
 
 
+class _Timed:
+    """Wraps ``obj.name`` to add its wall time (ms) to ``acc[key]``."""
+
+    def __init__(self, acc: dict, key: str, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[key] = acc.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+
+        setattr(obj, name, timed)
+
+
 def _run(eng, n: int, params_of, prompt_len: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     reqs = [eng.add_request(rng.integers(100, 20000, prompt_len).tolist(), params_of(i))
@@ -28,6 +44,8 @@ def _run(eng, n: int, params_of, prompt_len: int, steps: int) -> dict:
     while any(len(r.output_token_ids) == 0 for r in reqs):  # prefill everything
         eng.step()
     times = []
+    acc = eng._bench_acc
+    acc.clear()
     for _ in range(steps):
         t0 = time.perf_counter()
         eng.step()
@@ -41,7 +59,9 @@ def _run(eng, n: int, params_of, prompt_len: int, steps: int) -> dict:
         eng.pop_finished(r.request_id)
     t = np.array(times[5:])  # the first steps may capture or warm up
     return {"step_ms_p50": float(np.median(t)), "step_ms_mean": float(t.mean()),
-            "still_running": running}
+            "still_running": running,
+            # per step: where the time went (executor.execute includes the GPU wait)
+            **{f"{k}_ms": v / steps for k, v in acc.items()}}
 
 
 def main() -> None:
@@ -61,6 +81,13 @@ def main() -> None:
     eng = LLMEngine(EngineArgs(model=a.model, backend=a.backend, max_num_seqs=a.batch,
                                max_model_len=1024))
     n_out = a.steps + 16
+    eng._bench_acc = acc = {}
+    _Timed(acc, "execute", eng.executor, "execute")
+    _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks")
+    _Timed(acc, "prepare", eng.processors, "prepare")
+    _Timed(acc, "after_step", eng.processors, "after_step")
+    _Timed(acc, "stage", eng.executor.buf.procs, "stage") if hasattr(eng.executor, "buf") \
+        else None
 
     def plain(i: int) -> SamplingParams:
         return SamplingParams(temperature=0.7, max_tokens=n_out, ignore_eos=True, seed=i)

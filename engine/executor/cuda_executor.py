@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -61,11 +61,18 @@ class CudaExecutor(Executor):
                      self.compile_s, self.kernel_wait_s, self.arena.capacity / 2**30,
                      self.num_pages, self.kv_bytes / 2**30)
         self.graphs: GraphRunner | None = None  # decode steps replay per-bucket graphs
+        # per bucket, the forward and the LM head alone: a step with grammar-constrained rows
+        # replays it, computes the grammar masks on the host meanwhile, then runs the sampling
+        # tail (decode_tail) eagerly
+        self.heads: GraphRunner | None = None
         self.graph_stats: dict[str, float] = {}
         if not config.enforce_eager:
             self.graphs = self.graph_runner()
+            self.heads = self.graph_runner(body=self.decode_head)
             if not self.graphs.lazy:
                 self.graph_stats = self.graphs.capture_all(show=verbose)
+                heads = self.heads.capture_all(show=False)
+                self.graph_stats["head_capture_s"] = heads["capture_s"]
 
     # -- set-up ----------------------------------------------------------------------------------
     def _allocate(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool) -> None:
@@ -154,8 +161,10 @@ class CudaExecutor(Executor):
         buf.context_lens.upload(ctx, st)
         buf.page_indices.upload_rows(table, self.sizes.pages_per_seq * 4, st)
 
-    def upload_sampling(self, b: StepBatch, pad_to: int | None = None) -> None:
-        """Per-row sampling parameters as device data (padding rows: greedy)."""
+    def upload_sampling(self, b: StepBatch, pad_to: int | None = None,
+                        procs: bool = True) -> None:
+        """Per-row sampling parameters as device data (padding rows: greedy); ``procs``: the
+        logits processors' rows too (else ``buf.procs.stage`` later, before the tail)."""
         buf, st = self.buf, self.stream
         n = b.sample_token_idx.shape[0]
         pad = 0 if pad_to is None else pad_to - n
@@ -171,7 +180,8 @@ class CudaExecutor(Executor):
         buf.min_p.upload(p(b.min_p, 0.0), st)
         buf.seeds.upload(p(b.seeds, 0), st)
         buf.steps.upload(p(b.sample_steps, 0), st)
-        buf.procs.stage(b.procs, n + max(pad, 0), st)  # logits processors (cuda_logits.py)
+        if procs:
+            buf.procs.stage(b.procs, n + max(pad, 0), st)  # logits processors (cuda_logits.py)
 
     def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
                 num_splits: int) -> None:
@@ -214,8 +224,16 @@ class CudaExecutor(Executor):
     def decode_body(self, batch: int, num_splits: int) -> None:
         """A decode step of ``batch`` rows over the static buffers: forward, logits of every
         row, sampling. This is what a graph captures (per bucket); eager decode runs it too."""
+        self.decode_head(batch, num_splits)
+        self.decode_tail(batch)
+
+    def decode_head(self, batch: int, num_splits: int) -> None:
+        """The forward and the logits of every row (the ``heads`` graphs)."""
         self.forward(batch, batch, True, 1, num_splits)
         self.logits(batch, 0, batch)
+
+    def decode_tail(self, batch: int) -> None:
+        """Logits processors, sampling, token counts over ``logits[:batch]``."""
         b = self.buf
         b.procs.apply(self.kernels, b.logits, b.steps, batch, self.stream)
         self.kernels.sample(b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds,
@@ -232,14 +250,15 @@ class CudaExecutor(Executor):
         return bucket_sizes(self.sizes.b_max, self.config.cuda_graph_max_bs)
 
     # -- decode graphs ---------------------------------------------------------------------------
-    def graph_runner(self, buckets: Sequence[int] | None = None) -> GraphRunner:
+    def graph_runner(self, buckets: Sequence[int] | None = None,
+                     body: Callable[[int, int], None] | None = None) -> GraphRunner:
         """A runner of decode graphs over this executor's static buffers: the engine's buckets,
         or (tools) the given ones, each captured with the split-KV factor ``decode_splits``
-        gives it."""
+        gives it; ``body``: what each graph runs (default ``decode_body``, a whole step)."""
         bks = tuple(sorted(set(buckets))) if buckets else tuple(self._buckets())
         plan = DecodePlan(bks, {b: self.decode_splits(b) for b in bks},
                           lazy=bool(self.config.lazy_graph_capture))
-        return GraphRunner(plan, self.stage_padding, self.decode_body, self.stream)
+        return GraphRunner(plan, self.stage_padding, body or self.decode_body, self.stream)
 
     def stage_padding(self, bucket: int) -> None:
         """Valid padding inputs in every row of ``bucket`` (graphs are captured over real
@@ -266,12 +285,25 @@ class CudaExecutor(Executor):
             bucket = None
             if self.graphs is not None and self.graphs.can_replay(b.num_seqs):
                 bucket = self.graphs.pad(b.num_seqs)  # a lazy capture runs here, before upload
+            # grammar rows whose masks are still to compute: replay the head graph alone
+            split = (bucket is not None and b.procs is not None and b.procs.fill is not None
+                     and self.heads is not None and self.heads.can_replay(b.num_seqs))
+            if split:
+                self.heads.pad(b.num_seqs)  # (a lazy capture, before the upload)
             self.upload(b, pad_to=bucket)
-            self.upload_sampling(b, pad_to=bucket)
-            if self.graphs is not None and bucket is not None:
+            if split:
+                self.upload_sampling(b, pad_to=bucket, procs=False)
+                self.heads.replay(bucket)  # the GPU runs the forward ...
+                b.procs.fill_masks()  # ... while the host computes the grammar masks
+                buf.procs.stage(b.procs, bucket, st)
+                self.decode_tail(bucket)
+                graph = True
+            elif self.graphs is not None and bucket is not None:
+                self.upload_sampling(b, pad_to=bucket)
                 self.graphs.replay(bucket)
                 graph = True
             else:
+                self.upload_sampling(b, pad_to=bucket)
                 self.decode_body(b.num_seqs, self.decode_splits(b.num_seqs))
             tokens = self._sampled(b, s_rows)
         else:

@@ -68,6 +68,7 @@ class ProcessorBuffers:
                 self.flags.fill_bytes(0, stream)
                 self.clear = True
             return
+        rows.fill_masks()  # (already done when the executor overlapped them with the forward)
         n = rows.flags.shape[0]
         k = int(rows.sparse_start[-1])
         if k > self.sparse_cap or rows.grammar_mask.shape[0] > self.rows:
