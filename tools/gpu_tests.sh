@@ -39,7 +39,7 @@ declare -A G=(
   [graphs]="tests/gpu/test_graphs.py"
   [gate]="tests/gpu/test_golden_gate.py"
   [odd]="tests/gpu/test_odd_shapes.py"
-  [upload]="tests/gpu/test_weight_upload.py"
+  [upload]="tests/gpu/test_weight_upload.py tests/gpu/test_staged_inputs.py"
   [logits]="tests/gpu/test_logits_process.py"
 )
 TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits"}

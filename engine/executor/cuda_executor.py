@@ -30,6 +30,7 @@ from engine.executor.cuda_model import (
     plan_num_pages,
 )
 from engine.executor.cuda_shapes import check_supported
+from engine.executor.staged_inputs import StagedInputs
 from engine.model.loader import Checkpoint
 from engine.step import Logprobs, StepBatch, StepOutput
 from graphs.buckets import bucket_for, bucket_sizes
@@ -98,6 +99,11 @@ class CudaExecutor(Executor):
         self.startup_phases = {"context_s": t1 - t0, "plan_arena_s": t2 - t1,
                                "weights_s": t3 - t2}
         self.buf = StepBuffers(mc, s, self.arena, ws, self.stream)
+        self.staged: StagedInputs | None = None  # a step's inputs through one pinned mirror
+        try:
+            self.staged = StagedInputs(self.buf)
+        except ValueError as e:  # another layout: one pageable copy per array, as before
+            log.warning("cuda: per-step inputs not staged (%s)", e)
         kv_shape = (self.num_pages, mc.num_key_value_heads, self.page_size, mc.head_dim)
         self.k_cache = [self.arena.alloc(kv_shape, BF16, f"k{i}")
                         for i in range(mc.num_hidden_layers)]
@@ -144,6 +150,9 @@ class CudaExecutor(Executor):
         buf, st = self.buf, self.stream
         n = b.num_seqs
         pad = 0 if pad_to is None else pad_to - n
+        if self.staged is not None:
+            self.staged.put_tokens(b, pad, st)
+            return
         ids, pos, slots, cu, ctx = (b.input_ids, b.positions, b.slot_mapping, b.cu_seqlens_q,
                                     b.context_lens)
         table = b.page_indices.astype(np.int32, copy=False)
@@ -169,6 +178,12 @@ class CudaExecutor(Executor):
         n = b.sample_token_idx.shape[0]
         pad = 0 if pad_to is None else pad_to - n
 
+        if procs:
+            buf.procs.stage(b.procs, n + max(pad, 0), st)  # logits processors (cuda_logits.py)
+        if self.staged is not None:
+            self.staged.put_sampling(b, pad, st)
+            return
+
         def p(a: np.ndarray, v: float | int) -> np.ndarray:
             return a if pad <= 0 else np.concatenate([a, np.full(pad, v, a.dtype)])
 
@@ -180,8 +195,6 @@ class CudaExecutor(Executor):
         buf.min_p.upload(p(b.min_p, 0.0), st)
         buf.seeds.upload(p(b.seeds, 0), st)
         buf.steps.upload(p(b.sample_steps, 0), st)
-        if procs:
-            buf.procs.stage(b.procs, n + max(pad, 0), st)  # logits processors (cuda_logits.py)
 
     def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
                 num_splits: int) -> None:
@@ -362,3 +375,6 @@ class CudaExecutor(Executor):
 
     def shutdown(self) -> None:
         self.stream.synchronize()
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None

@@ -1,0 +1,113 @@
+"""A step's inputs through one pinned mirror: three copies a step instead of thirteen.
+
+The per-step input buffers of ``StepBuffers`` lie in the arena one after the other (it bump-
+allocates in order): the token group (input_ids, positions, slot_mapping, cu_seqlens,
+context_lens), page_indices, then the sampling group (logit_idx, temperature, top_k, top_p,
+min_p, seeds, steps). ``StagedInputs`` keeps a page-locked host copy of that whole span, with a
+numpy view per buffer at the buffer's own offset. A step writes its arrays (and its padding
+rows) into the views, then uploads the token group, the page rows it uses and the sampling group
+with one asynchronous copy each, straight from pinned memory. Before: one pageable copy per
+array, ~57 us of host time a step on the H200 host (docs/perf.md v12, ``upload+upload_sampling``).
+
+A group is copied whole (its buffers are sized for the largest step, ~40 KB for 2,048 tokens),
+so entries past a step's rows carry what earlier steps left there; no kernel reads them (the
+same holds for the page-index columns past a sequence's pages, as before). A group's views are
+rewritten only after its previous copies are done (an event recorded behind them: a step that
+samples nothing does not wait for the GPU, so the next one could otherwise overwrite bytes still
+queued for copying).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.cuda.driver import DeviceBuffer, Event, PinnedBuffer, Stream, _cu, check
+
+TOKENS = ("input_ids", "positions", "slot_mapping", "cu_seqlens", "context_lens")
+SAMPLING = ("logit_idx", "temperature", "top_k", "top_p", "min_p", "seeds", "steps")
+ORDER = (*TOKENS, "page_indices", *SAMPLING)
+
+
+class StagedInputs:
+    def __init__(self, buf: Any) -> None:
+        """``buf``: ``StepBuffers``. ValueError when its buffers are not laid out in ORDER."""
+        dev = [getattr(buf, n) for n in ORDER]
+        if any(a.ptr + a.nbytes > b.ptr for a, b in zip(dev, dev[1:], strict=False)):
+            raise ValueError("the step's input buffers are not consecutive in the arena")
+        self.base = dev[0].ptr
+        self.pinned = PinnedBuffer(dev[-1].ptr + dev[-1].nbytes - self.base, np.uint8)
+        self.dev: dict[str, DeviceBuffer] = dict(zip(ORDER, dev, strict=True))
+        self.v: dict[str, np.ndarray] = {n: self._view(d) for n, d in self.dev.items()}
+        self.row_bytes = buf.page_indices.shape[1] * 4
+        self.copied = {"tokens": Event(timing=False), "sampling": Event(timing=False)}
+        self.pending = {"tokens": False, "sampling": False}
+
+    def _wait(self, group: str) -> None:
+        if self.pending[group]:
+            self.copied[group].synchronize()  # (nearly always complete already)
+            self.pending[group] = False
+
+    def _done(self, group: str, stream: Stream) -> None:
+        self.copied[group].record(stream)
+        self.pending[group] = True
+
+    def _view(self, d: DeviceBuffer) -> np.ndarray:
+        off = d.ptr - self.base
+        return self.pinned.array[off:off + d.nbytes].view(d.dtype).reshape(d.shape)
+
+    def _copy(self, first: str, last: str, stream: Stream, last_bytes: int | None = None) -> None:
+        lo, d = self.dev[first].ptr, self.dev[last]
+        n = d.ptr + (d.nbytes if last_bytes is None else last_bytes) - lo
+        check(_cu().cuMemcpyHtoDAsync(lo, self.pinned.ptr + (lo - self.base), n, stream.handle),
+              "cuMemcpyHtoDAsync")
+
+    def put_tokens(self, b: Any, pad: int, stream: Stream) -> None:
+        """The token group and the page rows of StepBatch ``b``, plus ``pad`` padding rows
+        (token 0, position 0, no KV write, context 1, page 0; one query token each)."""
+        self._wait("tokens")
+        v, n, t = self.v, b.num_seqs, b.num_tokens
+        v["input_ids"][:t] = b.input_ids
+        v["positions"][:t] = b.positions
+        v["slot_mapping"][:t] = b.slot_mapping
+        v["context_lens"][:n] = b.context_lens
+        table = b.page_indices
+        rows, width = table.shape
+        v["page_indices"][:rows, :width] = table
+        if pad > 0:  # (decode graphs: t == n)
+            v["input_ids"][t:t + pad] = 0
+            v["positions"][t:t + pad] = 0
+            v["slot_mapping"][t:t + pad] = -1
+            v["cu_seqlens"][:n + pad + 1] = np.arange(n + pad + 1, dtype=np.int32)
+            v["context_lens"][n:n + pad] = 1
+            v["page_indices"][rows:rows + pad, :width] = 0
+        else:
+            v["cu_seqlens"][:n + 1] = b.cu_seqlens_q
+        self._copy("input_ids", "context_lens", stream)
+        self._copy("page_indices", "page_indices", stream,
+                   last_bytes=(rows + max(pad, 0)) * self.row_bytes)
+        self._done("tokens", stream)
+
+    def put_sampling(self, b: Any, pad: int, stream: Stream) -> None:
+        """The sampling group of ``b``'s S sample rows, plus ``pad`` greedy padding rows."""
+        self._wait("sampling")
+        v, n = self.v, b.sample_token_idx.shape[0]
+        if pad > 0:  # decode graphs: row i samples token i
+            v["logit_idx"][:n + pad] = np.arange(n + pad, dtype=np.int32)
+        else:
+            v["logit_idx"][:n] = b.sample_token_idx
+        for name, src, fill in (("temperature", b.temperature, 0.0), ("top_k", b.top_k, 0),
+                                ("top_p", b.top_p, 1.0), ("min_p", b.min_p, 0.0),
+                                ("seeds", b.seeds, 0), ("steps", b.sample_steps, 0)):
+            v[name][:n] = src
+            if pad > 0:
+                v[name][n:n + pad] = fill
+        self._copy("logit_idx", "steps", stream)
+        self._done("sampling", stream)
+
+    def close(self) -> None:
+        for g in self.copied:
+            self._wait(g)
+            _cu().cuEventDestroy(self.copied[g].handle)
+        self.pinned.close()
