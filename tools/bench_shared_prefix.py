@@ -73,6 +73,7 @@ async def run(a: argparse.Namespace) -> dict:
         res = await asyncio.gather(*[_one(session, a.base_url, model, p, a.output_len)
                                      for p in prompts])
         dt = time.perf_counter() - t0
+        ttft_at = sorted(t0 + r["ttft"] for r in res if r["ok"])
         fresh = await _one(session, a.base_url, model,
                            rng.integers(lo, hi, a.question_len).tolist(), 8)
     ok = [r for r in res if r["ok"]]
@@ -83,6 +84,8 @@ async def run(a: argparse.Namespace) -> dict:
             "succeeded": len(ok), "failed": len(res) - len(ok),
             "errors": sorted({r.get("error", "") for r in res if not r["ok"]})[:5],
             "duration_s": round(dt, 3),
+            # perf_counter (CLOCK_MONOTONIC: the server's step trace reads the same clock)
+            "burst_start": t0,
             "ttft_ms": {"mean": round(float(np.mean(ttft)) * 1e3, 1) if ttft else 0.0,
                         "p50": round(_pct(ttft, 50), 1), "p99": round(_pct(ttft, 99), 1),
                         "max": round(max(ttft) * 1e3, 1) if ttft else 0.0},
@@ -90,7 +93,8 @@ async def run(a: argparse.Namespace) -> dict:
                        "max": round(max(gaps) * 1e3, 2) if gaps else 0.0},
             "cached_tokens_mean": round(float(np.mean([r["cached"] for r in ok])), 1)
             if ok else 0.0,
-            "fresh_request_ok": bool(fresh["ok"])}
+            "fresh_request_ok": bool(fresh["ok"]),
+            "first_tokens_at_s": [round(x - t0, 4) for x in ttft_at[::16]]}  # every 16th
 
 
 def main(argv: list[str] | None = None) -> int:

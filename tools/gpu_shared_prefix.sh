@@ -4,10 +4,17 @@
 set -uo pipefail
 source "$(dirname "$0")/gpu_lib.sh"
 CK=$1; PORT=${PORT:-8324}; export PYTHONUNBUFFERED=1
-python3 -m engine.cli serve --model $CK --backend cuda --max-num-seqs 256 --max-model-len 4096 \
+export CUTEINFER_STEP_TRACE=$OUT/trace_shared_prefix.txt  # the engine core's steps
+# PROFILE=1: the server's main thread (the event loop) under cProfile, top functions printed
+PROF=""; [ "${PROFILE:-0}" = 1 ] && PROF="-m cProfile -o $OUT/frontend.prof"
+python3 $PROF -m engine.cli serve --model $CK --backend cuda --max-num-seqs 256 --max-model-len 4096 \
   --port $PORT > "$OUT/shared_prefix_server.log" 2>&1 &
 spid=$!
 wait_health $PORT 90
 timeout 200 python3 -m tools.bench_shared_prefix --base-url http://127.0.0.1:$PORT --clients 256 \
   --prefixes 2 --prefix-len 3000 --question-len 32 --output-len 64 --out "$OUT/shared_prefix.json"
 kill -INT $spid; wait $spid; tail -2 "$OUT/shared_prefix_server.log"
+unset CUTEINFER_STEP_TRACE
+python3 -m tools.step_trace "$OUT/trace_shared_prefix.txt" --json "$OUT/trace_shared_prefix.json" | head -40
+[ "${PROFILE:-0}" = 1 ] && python3 -c "
+import pstats; p = pstats.Stats('$OUT/frontend.prof'); p.sort_stats('tottime').print_stats(30)" | tail -45
