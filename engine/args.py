@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import types
 from collections.abc import Iterable
 from dataclasses import Field, dataclass, field, fields
@@ -77,6 +78,13 @@ class EngineArgs:
         "requests' prefills do not stall the running streams. On the H200, qwen3-8b serving 64 "
         "streams, 256 cut the longest inter-token gap from 51 to 23 ms and output throughput "
         "by 11% (docs/perf.md v11).")
+    speculative_config: str | None = _option(
+        None, "Speculative decoding, as JSON (vLLM's --speculative-config): "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4}; also "disable_by_batch_size" (speculate only while fewer '
+        "requests run, default 2: batch 1). The embedded LLM takes a dict. The accepted tokens "
+        "are the ones plain decoding samples (greedy and seeded), up to the numerics of a "
+        "multi-token forward on cuda.")
     block_size: int = _option(
         16, "Size of a contiguous cache block in number of tokens (a power of two).")
     enable_prefix_caching: bool = _option(True, "Whether to enable prefix caching.")
@@ -129,6 +137,8 @@ class EngineArgs:
         unknown = sorted(k for k in kwargs if k not in known)
         if unknown:
             raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        if isinstance(kwargs.get("speculative_config"), dict):  # the LLM keyword's form
+            kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
         return cls(**kwargs)
 
     @classmethod
@@ -203,9 +213,12 @@ class EngineArgs:
         lp = self.long_prefill_token_threshold
         if lp is None:
             lp = DEFAULT_LONG_PREFILL_TOKENS[backend]
+        from engine.speculative import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(self.speculative_config)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return EngineConfig(**{**values, "backend": backend, "max_model_len": mml,
-                               "long_prefill_token_threshold": lp})
+                               "long_prefill_token_threshold": lp, "speculative_config": spec})
 
     def _check(self) -> None:
         for f in fields(self):

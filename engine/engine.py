@@ -221,4 +221,7 @@ class LLMEngine(OutputViews):
                 "num_preemptions": sched.num_preemptions, "kv": self.block_manager.gauges(),
                 "kv_stats": self.block_manager.stats(), "steps": st.steps,
                 "eager_steps": st.eager_steps, "graph_steps": st.graph_steps,
-                "failed_steps": st.failed_steps, "tokens": st.tokens}
+                "failed_steps": st.failed_steps, "tokens": st.tokens,
+                "spec": {"draft_tokens": sched.spec_totals[0],
+                         "accepted_tokens": sched.spec_totals[1], "drafts": sched.spec_totals[2],
+                         "accepted_per_draft": list(sched.spec_accepted_hist)}}

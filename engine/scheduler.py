@@ -31,11 +31,20 @@ from __future__ import annotations
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv import BlockManager, OutOfPagesError, PageRefOverflowError
 from engine.request import FinishReason, Logprob, LogprobDict, Request, RequestStatus
+from engine.speculative import (
+    MIN_ACCEPTANCE,
+    PROBATION_STEPS,
+    SpeculativeConfig,
+    accept,
+    eligible,
+    ngram_propose,
+)
 from engine.step import Logprobs, StepOutput
 
 
@@ -48,6 +57,9 @@ class ScheduledRequest:  # one per request per step: a plain record (frozen cost
     sample: bool  # this step computes the last known token: sample the next one
     page_table: array[int]  # the block manager's table itself (int32), read by build_batch
     prompt_logprob_positions: tuple[int, ...] = ()
+    # speculative drafts after the pending token (engine/speculative.py): the step computes
+    # [pending, *drafts] and samples every one of those rows
+    drafts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +84,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.spec = config.speculative_config  # engine.speculative.SpeculativeConfig or None
+        # the proposer seam: (request, k) -> up to k draft tokens (tests set oracles here)
+        self.proposer: Callable[[Request, int], list[int]] = self._ngram
+        # speculative decoding: drafted, accepted, verify spans; spans by accepted count
+        self.spec_totals = [0, 0, 0]
+        self.spec_accepted_hist = [0] * ((self.spec.num_speculative_tokens + 1) if self.spec
+                                         else 0)
 
     # -- queue management ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -150,11 +169,20 @@ class Scheduler:
 
         # Running requests first: a decode token each, or the next chunk. Preemption only ever
         # removes the list's tail (it ends the loop there), so iterating the list itself is safe.
+        spec = self.spec
+        if spec is not None and len(self.running) >= spec.disable_by_batch_size:
+            spec = None  # a large batch: verify rows cost compute, decode plainly
         for req in self.running:
             if budget <= 0:
                 break
             rid, start = req.request_id, req.num_computed_tokens
             total = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if spec is not None and total - start == 1 and budget > 1:
+                s = self._speculate(req, spec, start, total, budget)
+                if s is not None:
+                    seqs.append(s)
+                    budget -= s.num_new
+                    continue
             n = total - start  # min(total - start, budget, cap), without the call
             if n > budget:
                 n = budget
@@ -215,6 +243,37 @@ class Scheduler:
             pbudget -= n
         return seqs, preempted
 
+    def _ngram(self, req: Request, k: int) -> list[int]:
+        spec = self.spec
+        assert spec is not None
+        return ngram_propose(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+    def _speculate(self, req: Request, spec: SpeculativeConfig, start: int, total: int,
+                   budget: int) -> ScheduledRequest | None:
+        """A decoding request's speculative span ``[pending, *drafts]``, or None: plain decode
+        (not eligible, no draft, or the span's pages do not fit: then the plain token may still
+        fit, or preempt, as any decode)."""
+        if not eligible(req.params, req.procs) or not req.output_token_ids:
+            return None
+        m = req.metrics
+        if m.get("spec_steps", 0) >= PROBATION_STEPS and m["spec_accepted_tokens"] < (
+                MIN_ACCEPTANCE * m["spec_draft_tokens"]):
+            return None  # its drafts keep failing
+        k = min(spec.num_speculative_tokens, budget - 1,
+                req.max_output_tokens - len(req.output_token_ids) - 1,
+                self.config.max_model_len - total)
+        if k < 1:
+            return None
+        drafts = self.proposer(req, k)[:k]
+        if not drafts:
+            return None
+        try:
+            slots = self.bm.append_slots(req.request_id, 1 + len(drafts))
+        except OutOfPagesError:
+            return None
+        return ScheduledRequest(req, start, 1 + len(drafts), slots, True,
+                                self.bm.page_table_view(req.request_id), (), tuple(drafts))
+
     def _preempt_until_fits(self, req: Request, n: int,
                             preempted: list[Request]) -> list[int] | None:
         """``req``'s next n slots did not fit: preempt the most recently admitted running
@@ -244,6 +303,10 @@ class Scheduler:
         for s in out.seqs:
             req = s.request
             start = s.start
+            if s.drafts:  # a speculative span: rows row .. row + len(drafts)
+                self._update_spec(s, sampled[row:row + 1 + len(s.drafts)], now, changed)
+                row += 1 + len(s.drafts)
+                continue
             req.num_computed_tokens = end = start + s.num_new
             commit(req.request_id, start, end, req.token_ids)
             n_pl = 0 if prompt_lps is None else len(s.prompt_logprob_positions)
@@ -284,6 +347,46 @@ class Scheduler:
             pl_row += n_pl
             row += s.sample
         return changed
+
+    def _update_spec(self, s: ScheduledRequest, ys: list[int], now: float,
+                     changed: list[Request]) -> None:
+        """Accept the longest prefix of drafts equal to the sampled tokens, append those tokens
+        and the first sampled one after them (one at a time: a stop token, EOS or the length
+        ends the run there), keep their KV and give the rejected slots back."""
+        req, start, d = s.request, s.start, s.drafts
+        m = accept(d, ys)
+        met = req.metrics
+        met["spec_steps"] = met.get("spec_steps", 0) + 1
+        met["spec_draft_tokens"] = met.get("spec_draft_tokens", 0) + len(d)
+        met["spec_accepted_tokens"] = met.get("spec_accepted_tokens", 0) + m
+        tot = self.spec_totals
+        tot[0] += len(d)
+        tot[1] += m
+        tot[2] += 1
+        self.spec_accepted_hist[m] += 1
+        try:
+            params, out_ids = req.params, req.output_token_ids
+            if "first_token" not in met:
+                met["first_token"] = now
+            met["last_token"] = now
+            for tok in ys[:m + 1]:
+                out_ids.append(tok)
+                if tok in params.stop_token_ids:
+                    self.finish(req, FinishReason.STOP, stop_reason=tok)
+                elif not params.ignore_eos and tok in req.eos_token_ids:
+                    self.finish(req, FinishReason.STOP)
+                elif len(out_ids) >= req.max_output_tokens:
+                    self.finish(req, FinishReason.LENGTH)
+                if req.is_finished:
+                    break  # its pages are released; the tokens after it are dropped
+            if not req.is_finished:
+                req.num_computed_tokens = end = start + 1 + m  # pending + accepted drafts
+                self.bm.commit(req.request_id, start, end, req.token_ids)
+                self.bm.rollback(req.request_id, len(d) - m, end)
+        except Exception as e:  # this request's output could not be processed: fail it alone
+            self.finish(req, FinishReason.ERROR,
+                        error=f"processing the output failed: {type(e).__name__}: {e}")
+        changed.append(req)
 
     def fail_step(self, out: SchedulerOutput, rows: set[int] | None,
                   error: str) -> list[Request]:

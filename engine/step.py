@@ -156,6 +156,13 @@ def pack_sampling_row(params: SamplingParams, seed: int) -> bytes:
                      seed), SAMPLING_ROW).tobytes()
 
 
+def _sample_steps(sample_reqs: list[Request], step_add: list[tuple[int, int]]) -> np.ndarray:
+    steps = np.array([len(r.output_token_ids) for r in sample_reqs], np.uint32)
+    for row, k in step_add:
+        steps[row] += k
+    return steps
+
+
 def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None) -> StepBatch:
     """Flatten a step's scheduled requests into the executor's arrays (a pure function).
 
@@ -179,6 +186,7 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
     pl_n = 0
     t = 0  # tokens so far
     decode = True  # every sequence adds exactly one token
+    step_add: list[tuple[int, int]] = []  # (sample row, +steps): a speculative span's rows
     for s in seqs:
         req, start, n = s.request, s.start, s.num_new
         if n == 1:  # index the one token: no slice, no list
@@ -186,13 +194,24 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
             ids.append(prompt[start] if start < len(prompt)
                        else req.output_token_ids[start - len(prompt)])
             slots.append(s.slots[0])
+        elif s.drafts:  # [pending, *drafts]: the drafts are not the request's tokens yet
+            decode = False
+            ids += req.token_slice(start, 1)
+            ids += s.drafts
+            slots += s.slots
         else:
             decode = False
             ids += req.token_slice(start, n)
             slots += s.slots
         starts.append(start)
         tables.append(s.page_table)
-        if s.sample:
+        if s.drafts:  # every row samples; row j at the request's step len(output) + j
+            for j in range(n):
+                if j:
+                    step_add.append((len(sample_reqs), j))
+                sample_idx.append(t + j)
+                sample_reqs.append(req)
+        elif s.sample:
             sample_idx.append(t + n - 1)
             sample_reqs.append(req)
         if s.prompt_logprob_positions:
@@ -235,7 +254,7 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
         top_p=rows["top_p"].copy(),
         min_p=rows["min_p"].copy(),
         seeds=rows["seed"].copy(),
-        sample_steps=np.array([len(r.output_token_ids) for r in sample_reqs], np.uint32),
+        sample_steps=_sample_steps(sample_reqs, step_add),
         num_logprobs=rows["num_logprobs"].copy(),
         prompt_logprob_idx=np.array(pl_idx, np.int32),
         prompt_logprob_targets=np.array(pl_tgt, np.int32),

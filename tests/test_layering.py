@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     "engine.args": 6,
     # the stages of a step
     "engine.scheduler": 5,
+    "engine.speculative": 4,
     "engine.executor": 5,
     "engine.parallel": 5,  # tensor parallelism: the sharding plan, collectives, the numpy sim
     "engine.input_processor": 5,

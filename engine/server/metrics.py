@@ -44,7 +44,12 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from engine.request import Request
 
@@ -220,6 +225,26 @@ class _EngineCollector:
                                 "released, recomputed later)", labels=["model_name"])
         c.add_metric(model, float(s.get("num_preemptions", 0)))
         yield c
+        sp = s.get("spec") or {}
+        for name, key, doc in (
+                ("spec_decode_num_drafts", "drafts", "Speculative spans verified"),
+                ("spec_decode_num_draft_tokens", "draft_tokens", "Draft tokens proposed"),
+                ("spec_decode_num_accepted_tokens", "accepted_tokens",
+                 "Draft tokens accepted (equal to the target's own token)")):
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(model, float(sp.get(key, 0)))
+            yield c
+        hist = sp.get("accepted_per_draft") or []
+        if hist:  # spans by accepted drafts (0..k), as a cumulative histogram
+            cum, buckets = 0, []
+            for k, n in enumerate(hist):
+                cum += n
+                buckets.append((str(k), float(cum)))
+            buckets.append(("+Inf", float(cum)))
+            h = HistogramMetricFamily(PREFIX + "spec_decode_acceptance_length", "Draft tokens "
+                                      "accepted per speculative span", labels=["model_name"])
+            h.add_metric(model, buckets, float(sum(k * n for k, n in enumerate(hist))))
+            yield h
         c = CounterMetricFamily(PREFIX + "engine_steps", "Engine steps by kind: graph (CUDA "
                                 "graph replay), eager, failed", labels=["model_name", "kind"])
         for kind in ("graph", "eager", "failed"):

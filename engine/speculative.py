@@ -1,0 +1,147 @@
+"""Speculative decoding: the configuration, the proposer seam, the n-gram proposer, acceptance.
+
+    LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4})
+    cuteinfer serve MODEL --speculative-config '{"method": "ngram", ...}'
+
+A speculating request's step (engine/scheduler.py): the proposer drafts up to k tokens from the
+request's own tokens; the step computes the pending token and the drafts, ``[pending, d1..dk]`` at
+positions ``L..L+k``, as one chunk (the forward is the chunked-prefill path: causal attention over
+the request's paged KV), and samples every one of those k+1 rows with the request's own sampling
+parameters at ``step = len(output) + i`` for row i. With cuteinfer's counter-based sampler the
+token sampled at row i is exactly the token plain decoding would sample at that position (given
+the same prefix), so accepting the longest prefix of drafts that equals the sampled tokens, plus
+the first sampled token after it, is lossless token for token (greedy and seeded sampling alike;
+docs: ../shared/DFLASH.md 3.2-3.3). The KV of the pending token and the accepted drafts is kept
+(``BlockManager.commit``); the rest is given back (``rollback``).
+
+Requests that want logprobs or prompt logprobs, or have logits processors (whose device state
+advances once per sampled row), decode plainly; so does everyone while ``disable_by_batch_size``
+or more requests run (verify spans run eagerly; a batch's plain step replays a graph), and a
+request whose drafts keep being rejected stops drafting (``MIN_ACCEPTANCE``).
+
+Exactness: on the numpy backend outputs equal plain decoding's token for token (tests). On cuda
+the verify span is a multi-token forward (the chunked-prefill kernels) while plain decoding
+replays the decode graph; their bf16 arithmetic differs in rounding, so where two tokens are
+nearly tied the chosen one can differ (random-weight checkpoints, whose logits are flat: 94-98%
+of tokens agree, docs/perf.md v15). Batch-invariant verify kernels would make it exact.
+
+Proposer methods: ``ngram`` (prompt lookup, on the host). ``dflash`` (a drafter model) is not built
+yet: it is refused with a message saying so.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.config import ConfigError
+
+METHODS = ("ngram",)
+PLANNED = ("dflash",)  # vLLM / SGLang names refused until built
+MAX_SPECULATIVE_TOKENS = 16
+# after this many speculative steps, a request whose accepted / drafted share is below
+# MIN_ACCEPTANCE drafts no more (each rejected draft costs a row of compute)
+PROBATION_STEPS = 8
+MIN_ACCEPTANCE = 0.1
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # speculate only while fewer requests than this run: on the H200 a verify span runs eagerly
+    # while plain decode replays a graph, so n-gram speculation paid at batch 1 (qwen3-8b,
+    # +14%) and lost at batch 8 (-20%; docs/perf.md v15)
+    disable_by_batch_size: int = 2
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
+        """``--speculative-config`` (JSON text) or the LLM keyword (a dict); None: off.
+        ConfigError naming the field and what to do."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object such as "
+                              '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "disable_by_batch_size", "model"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config: unsupported field(s) {unknown}; supported: "
+                              f"{sorted(known)}")
+        method = value.get("method", "ngram")
+        if method in PLANNED:
+            raise ConfigError(f"speculative_config.method {method!r} is not built yet; use "
+                              f"one of {list(METHODS)}")
+        if method not in METHODS:
+            raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, got "
+                              f"{method!r}")
+        if "model" in value:
+            raise ConfigError("speculative_config.model: the ngram method takes no draft model")
+        ints = {k: value.get(k, getattr(cls, k)) for k in
+                ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "disable_by_batch_size")}
+        for k, v in ints.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"speculative_config.{k} must be an integer >= 1, got {v!r}")
+        if ints["num_speculative_tokens"] > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(f"speculative_config.num_speculative_tokens must be <= "
+                              f"{MAX_SPECULATIVE_TOKENS}, got {ints['num_speculative_tokens']}")
+        if ints["prompt_lookup_min"] > ints["prompt_lookup_max"]:
+            raise ConfigError("speculative_config.prompt_lookup_min must be <= "
+                              f"prompt_lookup_max, got {ints['prompt_lookup_min']} > "
+                              f"{ints['prompt_lookup_max']}")
+        return cls(method=method, **ints)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup, vLLM's rule: for n from ``max_n`` down to ``min_n``, the first earlier
+    occurrence of the last n tokens in ``tokens``; the up to ``k`` tokens that followed it.
+    [] when none matches."""
+    size = len(tokens)
+    if k < 1 or size < min_n + 1:
+        return []
+    a = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        # windows a[i:i+n] for i in [0, size - n): every earlier start (the suffix itself
+        # starts at size - n); a window may overlap the suffix, one token at least follows it
+        m = size - n
+        hit = np.ones(m, dtype=bool)
+        tail = a[m:]
+        for j in range(n):
+            hit &= a[j:j + m] == tail[j]
+        idx = np.flatnonzero(hit)
+        if idx.size:
+            start = int(idx[0]) + n
+            return a[start:start + k].tolist()
+    return []
+
+
+def accept(drafts: tuple[int, ...] | list[int], sampled: list[int]) -> int:
+    """How many drafts are accepted: the longest prefix with ``drafts[i] == sampled[i]``
+    (``sampled[i]`` is the token the target drew at row i, the row before draft i+1)."""
+    m = 0
+    for d, y in zip(drafts, sampled, strict=False):
+        if d != y:
+            break
+        m += 1
+    return m
+
+
+def eligible(params: Any, procs: Any) -> bool:
+    """A request that may speculate: no logprobs, no prompt logprobs, no logits processors."""
+    return params.logprobs is None and params.prompt_logprobs is None and procs is None

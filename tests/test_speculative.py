@@ -1,0 +1,218 @@
+"""Speculative decoding (engine/speculative.py, the scheduler's spans): the n-gram proposer
+against a brute-force reference, the configuration's typed errors, and losslessness end to end on
+the numpy backend -- greedy and seeded outputs equal plain decoding's token for token, with the
+n-gram proposer, an oracle that proposes the true continuation and an adversary that is always
+wrong -- plus finishing inside an accepted run, a tight KV pool, metrics and no page left
+behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+from engine.config import ConfigError
+from engine.speculative import PROBATION_STEPS, SpeculativeConfig, accept, ngram_propose
+
+# speculation in batches too (the default, disable_by_batch_size 2, speculates at batch 1 only)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4, "disable_by_batch_size": 64}
+
+
+def _reference_propose(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n):
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_a_brute_force_reference() -> None:
+    rng = np.random.default_rng()
+    for _ in range(400):
+        size = int(rng.integers(0, 40))
+        toks = rng.integers(0, int(rng.integers(2, 6)), size).tolist()  # small alphabets repeat
+        k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        assert ngram_propose(toks, k, lo, hi) == _reference_propose(toks, k, lo, hi), (toks, k)
+    assert ngram_propose([1, 2, 3, 4, 5, 1, 2, 3], 3, 2, 4) == [4, 5, 1]
+    assert ngram_propose([1, 2, 3], 3, 2, 4) == []
+
+
+def test_accept_is_the_longest_matching_prefix() -> None:
+    assert accept((4, 5, 6), [4, 5, 7, 8]) == 2
+    assert accept((4, 5, 6), [4, 5, 6, 9]) == 3
+    assert accept((1,), [2, 3]) == 0
+
+
+@pytest.mark.parametrize("value,field", [
+    ("{", "JSON object"), ({"method": "dflash"}, "not built yet"),
+    ({"method": "medusa"}, "method must be one of"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 99}, "num_speculative_tokens must be <="),
+    ({"prompt_lookup_min": 5}, "prompt_lookup_min must be <="),
+    ({"prompt_lookup_max": "4"}, "prompt_lookup_max"), ({"lookahead": 2}, "unsupported"),
+    ([1, 2], "JSON object"),
+])
+def test_bad_configs_are_typed_errors_naming_the_field(value, field) -> None:
+    with pytest.raises(ConfigError, match=field):
+        SpeculativeConfig.parse(value)
+
+
+def test_cli_flag_and_dict_keyword_give_the_same_config() -> None:
+    import json
+
+    from engine.config import ModelConfig
+    from engine.model.synthetic import hf_config
+    from tests.test_args import cli_args
+
+    mc = ModelConfig.from_dict(hf_config("tiny-qwen3"))
+    a = cli_args("--speculative-config", json.dumps(NGRAM)).create_engine_config(mc, "numpy")
+    b = EngineArgs.from_kwargs(speculative_config=NGRAM).create_engine_config(mc, "numpy")
+    assert a.speculative_config == b.speculative_config == SpeculativeConfig(**NGRAM)
+    assert EngineArgs().create_engine_config(mc, "numpy").speculative_config is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.model.synthetic import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("spec") / "m", "tiny-qwen3", seed=3,
+                            quiet=True)
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return ([rng.integers(5, 200, int(rng.integers(3, 8))).tolist() * 4 for _ in range(5)]
+            + [rng.integers(5, 200, int(rng.integers(5, 30))).tolist() for _ in range(3)])
+
+
+def _params(seed: int) -> list[SamplingParams]:
+    rng = np.random.default_rng(seed)
+    out = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(8, 30)), ignore_eos=True)
+           for _ in range(4)]
+    out += [SamplingParams(temperature=0.8, top_k=20, top_p=0.95, seed=int(rng.integers(1 << 30)),
+                           max_tokens=int(rng.integers(8, 30)), ignore_eos=True)
+            for _ in range(4)]
+    return out
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _no_pages_left(llm: LLM) -> None:
+    eng = llm.engine
+    assert not eng.has_unfinished()
+    assert eng.block_manager.gauges()["live"] == 0
+
+
+def test_ngram_speculation_is_lossless_greedy_and_seeded(tiny: Path) -> None:
+    seed = int(np.random.default_rng().integers(1 << 20))
+    prompts, params = _prompts(seed), _params(seed)
+    plain = LLM(str(tiny), backend="numpy")
+    spec = LLM(str(tiny), backend="numpy", speculative_config=NGRAM)
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert _ids(got) == _ids(want), f"seed {seed}"
+    drafted = sum(o.metrics.get("spec_draft_tokens", 0) for o in got)
+    accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in got)
+    assert drafted > 0 and 0 < accepted <= drafted
+    g = spec.engine.gauges()["spec"]
+    assert (g["draft_tokens"], g["accepted_tokens"]) == (drafted, accepted)
+    assert sum(g["accepted_per_draft"]) == g["drafts"]
+    assert spec.engine.stats.steps < plain.engine.stats.steps  # fewer steps for the same tokens
+    _no_pages_left(spec)
+
+
+def _oracle(future: dict[tuple[int, ...], list[int]], wrong: bool = False):
+    """Proposes the true continuation of each request (from a plain run), or always a wrong one."""
+
+    def propose(req, k):
+        true = future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+        return [t + 1 for t in true] if wrong else true
+
+    return propose
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_oracle_and_adversarial_proposers_keep_the_output(tiny: Path, wrong: bool) -> None:
+    prompts = _prompts(7)
+    params = _params(7)
+    want = _ids(LLM(str(tiny), backend="numpy").generate(prompts, params))
+    spec = LLM(str(tiny), backend="numpy", speculative_config=NGRAM)
+    spec.engine.scheduler.proposer = _oracle(
+        {tuple(p): w for p, w in zip(prompts, want, strict=True)}, wrong)
+    got = spec.generate(prompts, params)
+    assert _ids(got) == want
+    drafted = sum(o.metrics.get("spec_draft_tokens", 0) for o in got)
+    accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in got)
+    assert drafted > 0
+    if wrong:  # nothing accepted; each request stops drafting after its probation
+        assert accepted == 0
+        assert all(o.metrics.get("spec_steps", 0) <= PROBATION_STEPS for o in got)
+    else:
+        assert accepted == drafted  # every draft is the token plain decoding chose
+    _no_pages_left(spec)
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny: Path) -> None:
+    prompts = _prompts(11)[:4]
+    base = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    free = _ids(LLM(str(tiny), backend="numpy").generate(prompts, base))
+    # stop at each output's 6th token: a run of accepted drafts crosses it
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                             stop_token_ids=[w[5]]) for w in free]
+    want = LLM(str(tiny), backend="numpy").generate(prompts, params)
+    spec = LLM(str(tiny), backend="numpy", speculative_config=NGRAM)
+    spec.engine.scheduler.proposer = _oracle({tuple(p): w for p, w in zip(prompts, free,
+                                                                            strict=True)})
+    got = spec.generate(prompts, params)
+    assert _ids(got) == _ids(want)
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason
+                                                         for o in want]
+    _no_pages_left(spec)
+
+
+def test_tight_kv_pool_falls_back_to_plain_tokens(tiny: Path) -> None:
+    """Spans that do not fit the pool decode plainly (or preempt, as plain decoding would):
+    the outputs stay the plain ones."""
+    prompts, params = _prompts(5), _params(5)
+    want = _ids(LLM(str(tiny), backend="numpy").generate(prompts, params))
+    spec = LLM(str(tiny), backend="numpy", speculative_config=NGRAM, num_gpu_blocks_override=12,
+               max_model_len=64)
+    assert _ids(spec.generate(prompts, params)) == want
+    _no_pages_left(spec)
+
+
+def test_requests_with_logprobs_or_processors_decode_plainly(tiny: Path) -> None:
+    prompts = _prompts(3)[:3]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+                             repetition_penalty=1.3),
+              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)]
+    want = LLM(str(tiny), backend="numpy").generate(prompts, params)
+    got = LLM(str(tiny), backend="numpy", speculative_config=NGRAM).generate(prompts, params)
+    assert _ids(got) == _ids(want)
+    assert "spec_steps" not in got[0].metrics and "spec_steps" not in got[1].metrics
+    assert len(got[0].outputs[0].logprobs) == 12
+
+
+def test_by_default_only_a_lone_request_speculates(tiny: Path) -> None:
+    prompts, params = _prompts(9)[:3], _params(9)[:3]
+    want = _ids(LLM(str(tiny), backend="numpy").generate(prompts, params))
+    llm = LLM(str(tiny), backend="numpy", speculative_config={"method": "ngram"})
+    assert llm.engine.config.speculative_config.disable_by_batch_size == 2
+    seen = []
+    spec = llm.engine.scheduler._speculate
+
+    def spy(req, *a):
+        seen.append(len(llm.engine.scheduler.running))
+        return spec(req, *a)
+
+    llm.engine.scheduler._speculate = spy
+    assert _ids(llm.generate(prompts, params)) == want
+    assert seen and max(seen) == 1  # proposals only while one request ran
