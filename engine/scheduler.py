@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.kv import BlockManager, OutOfPagesError, PageRefOverflowError
 from engine.request import FinishReason, Logprob, LogprobDict, Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.speculative import (
     MIN_ACCEPTANCE,
     PROBATION_STEPS,
@@ -333,12 +334,7 @@ class Scheduler:
                     if lp is not None:
                         req.logprobs.append(lp)
                         req.cumulative_logprob += lp[tok].logprob
-                    if tok in params.stop_token_ids:
-                        self.finish(req, FinishReason.STOP, stop_reason=tok)
-                    elif not params.ignore_eos and tok in req.eos_token_ids:
-                        self.finish(req, FinishReason.STOP)
-                    elif len(out_ids) >= req.max_output_tokens:
-                        self.finish(req, FinishReason.LENGTH)
+                    self._finish_on(req, tok, params, len(out_ids))
                     changed.append(req)
             except Exception as e:  # this request's output could not be processed: fail it alone
                 self.finish(req, FinishReason.ERROR,
@@ -347,6 +343,16 @@ class Scheduler:
             pl_row += n_pl
             row += s.sample
         return changed
+
+    def _finish_on(self, req: Request, tok: int, params: SamplingParams, n_out: int) -> None:
+        """``tok`` was just appended (the ``n_out``-th output): finish on a stop token, EOS or
+        the length."""
+        if tok in params.stop_token_ids:
+            self.finish(req, FinishReason.STOP, stop_reason=tok)
+        elif not params.ignore_eos and tok in req.eos_token_ids:
+            self.finish(req, FinishReason.STOP)
+        elif n_out >= req.max_output_tokens:
+            self.finish(req, FinishReason.LENGTH)
 
     def _update_spec(self, s: ScheduledRequest, ys: list[int], now: float,
                      changed: list[Request]) -> None:
@@ -371,12 +377,7 @@ class Scheduler:
             met["last_token"] = now
             for tok in ys[:m + 1]:
                 out_ids.append(tok)
-                if tok in params.stop_token_ids:
-                    self.finish(req, FinishReason.STOP, stop_reason=tok)
-                elif not params.ignore_eos and tok in req.eos_token_ids:
-                    self.finish(req, FinishReason.STOP)
-                elif len(out_ids) >= req.max_output_tokens:
-                    self.finish(req, FinishReason.LENGTH)
+                self._finish_on(req, tok, params, len(out_ids))
                 if req.is_finished:
                     break  # its pages are released; the tokens after it are dropped
             if not req.is_finished:
