@@ -216,3 +216,17 @@ def test_by_default_only_a_lone_request_speculates(tiny: Path) -> None:
     llm.engine.scheduler._speculate = spy
     assert _ids(llm.generate(prompts, params)) == want
     assert seen and max(seen) == 1  # proposals only while one request ran
+
+
+def test_the_two_process_engine_speculates_and_reports_it(tiny: Path) -> None:
+    prompts, params = _prompts(13)[:4], _params(13)[:4]
+    want = _ids(LLM(str(tiny), backend="numpy").generate(prompts, params))
+    llm = LLM(str(tiny), backend="numpy", speculative_config=NGRAM, engine_core="process")
+    try:
+        got = llm.generate(prompts, params)
+        assert _ids(got) == want
+        assert sum(o.metrics.get("spec_draft_tokens", 0) for o in got) > 0
+        assert all(o.metrics.get("spec_accepted_tokens", 0) <= o.metrics.get(
+            "spec_draft_tokens", 0) for o in got)
+    finally:
+        llm.shutdown()

@@ -248,6 +248,8 @@ class MultiprocessEngine(OutputViews):
         req.cumulative_logprob = o.cumulative_logprob
         if o.scheduled_at is not None:
             req.metrics.setdefault("scheduled", o.scheduled_at)
+        if o.spec is not None:  # the core's speculative decoding counts (RequestOutput.metrics)
+            req.metrics["spec_draft_tokens"], req.metrics["spec_accepted_tokens"] = o.spec
         if o.finish_reason is not None:
             req.finish(FinishReason(o.finish_reason), stop_reason=o.stop_reason, error=o.error)
 

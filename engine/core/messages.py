@@ -32,6 +32,8 @@ class CoreOutput(msgspec.Struct, array_like=True, gc=False):
     # when the core first admitted it (time.perf_counter(): CLOCK_MONOTONIC, one clock for
     # both processes on Linux); sent until its first tokens are, for the queue-time metrics
     scheduled_at: float | None = None
+    # speculative decoding so far (drafted, accepted), when the request has speculated
+    spec: tuple[int, int] | None = None
 
 
 class CoreStep(msgspec.Struct, array_like=True, gc=False):

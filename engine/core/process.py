@@ -193,9 +193,12 @@ class _Core:
         if req.is_finished:
             self.eng.pop_finished(rid)
             del self.cursors[rid]
+        m = req.metrics
+        spec = (int(m["spec_draft_tokens"]), int(m["spec_accepted_tokens"])) \
+            if "spec_draft_tokens" in m else None
         return self.CoreOutput(rid, toks[n0:], lps, plps, fin, req.stop_reason, req.error,
                                req.num_cached_tokens, req.cumulative_logprob,
-                               req.metrics.get("scheduled") if n0 == 0 else None)
+                               m.get("scheduled") if n0 == 0 else None, spec)
 
     def _send(self, outs: list[Any]) -> None:
         now = time.monotonic()
