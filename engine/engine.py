@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +56,24 @@ def resolve_model_dir(model: str) -> Path:
     from engine.model.hub import resolve_model
 
     return resolve_model(model)
+
+
+def new_request(eng: Any, prompt: str | Sequence[int],
+                params: SamplingParams | None, request_id: str | None, salt: str | None,
+                seed: Callable[[SamplingParams], int]) -> Request:
+    """A checked ``Request`` for ``eng`` (an LLMEngine, or the two-process engine's front end):
+    the input processor's ids and params, a free request id, arrival order and time; not yet
+    registered anywhere. ``seed``: the request's effective seed from its params."""
+    ids, text, params = eng.input_processor.process(prompt, params)
+    rid = request_id if request_id is not None else f"req-{next(eng._ids)}"
+    if rid in eng.requests:
+        raise RequestError(f"request_id {rid!r} is already in use")
+    req = Request(rid, ids, params, seed(params), next(eng._arrival), prompt=text, salt=salt,
+                  eos_token_ids=eng.eos_token_ids, max_model_len=eng.config.max_model_len)
+    req.metrics["arrival"] = time.perf_counter()
+    if params.prompt_logprobs is not None:
+        req.prompt_logprobs.append(None)
+    return req
 
 
 class OutputViews:
@@ -129,21 +148,13 @@ class LLMEngine(OutputViews):
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, salt: str | None = None) -> Request:
-        ids, text, params = self.input_processor.process(prompt, params)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise RequestError(f"request_id {rid!r} is already in use")
-        seed = params.seed if params.seed is not None else int(self._rng.integers(2**63))
-        req = Request(rid, ids, params, seed, next(self._arrival), prompt=text, salt=salt,
-                      eos_token_ids=self.eos_token_ids, max_model_len=self.config.max_model_len)
-        req.metrics["arrival"] = time.perf_counter()
+        req = new_request(self, prompt, params, request_id, salt, lambda p: (
+            p.seed if p.seed is not None else int(self._rng.integers(2**63))))
         try:
             self.processors.attach(req)
         except ProcessorError as e:
             raise RequestError(str(e)) from None
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs.append(None)
-        self.requests[rid] = req
+        self.requests[req.request_id] = req
         self.output_processor.add(req)
         self.scheduler.add(req)
         return req

@@ -34,8 +34,8 @@ import zmq
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.core.messages import ABORT, ADD, SHUTDOWN, CoreStep, encode_commands
-from engine.engine import OutputViews, resolve_model_dir
-from engine.input_processor import InputProcessor, RequestError
+from engine.engine import OutputViews, new_request, resolve_model_dir
+from engine.input_processor import InputProcessor
 from engine.output_processor import OutputProcessor
 from engine.request import FinishReason, Logprob, Request
 from engine.sampling_params import SamplingParams
@@ -125,19 +125,12 @@ class MultiprocessEngine(OutputViews):
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, salt: str | None = None) -> Request:
         self._check_alive()
-        ids, text, params = self.input_processor.process(prompt, params)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self.requests:
-            raise RequestError(f"request_id {rid!r} is already in use")
-        req = Request(rid, ids, params, params.seed or 0, next(self._arrival), prompt=text,
-                      salt=salt, eos_token_ids=self.eos_token_ids,
-                      max_model_len=self.config.max_model_len)
-        req.metrics["arrival"] = time.perf_counter()
-        if params.prompt_logprobs is not None:
-            req.prompt_logprobs.append(None)
+        # the core draws the seed of a request without one; this mirror's is never used
+        req = new_request(self, prompt, params, request_id, salt, lambda p: p.seed or 0)
+        rid = req.request_id
         self.requests[rid] = req
         self.output_processor.add(req)
-        self._outbox.append((ADD, rid, ids, params, salt))  # sent by the next step()
+        self._outbox.append((ADD, rid, req.prompt_token_ids, req.params, salt))  # next step()
         return req
 
     def abort(self, request_id: str) -> None:
