@@ -37,8 +37,11 @@ IMPATIENT = 8
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenAIServer]:
     model = write_test_checkpoint(tmp_path_factory.mktemp("tiny-ckpt"), "tiny")
     # 64 requests of up to 2 pages each want 128 pages: 80 forces preemption under load
+    # max_model_len 1024: the impatient clients' requests (1000 tokens) outlast any delay in
+    # noticing their hang-up on a loaded 2-core CI box (at 200 tokens one in ~6 runs finished
+    # by length first)
     engine = make_engine(model, core=SERVER_CORE, max_num_seqs=CLIENTS,
-                         num_gpu_blocks_override=80)
+                         num_gpu_blocks_override=80, max_model_len=1024)
     with running_server(engine) as s:
         yield s
 
@@ -55,7 +58,7 @@ async def _impatient(url: str, model: str, n: int) -> int:
     async with aiohttp.ClientSession() as session:
         for i in range(n):
             await asyncio.sleep(0.05)
-            payload = {"model": model, "prompt": [7 + i] * INPUT_LEN, "max_tokens": 200,
+            payload = {"model": model, "prompt": [7 + i] * INPUT_LEN, "max_tokens": 1000,
                        "stream": True, "ignore_eos": True}
             async with session.post(f"{url}/v1/completions", json=payload) as resp:
                 assert resp.status == 200
