@@ -77,10 +77,20 @@ def new_request(eng: Any, prompt: str | Sequence[int],
 
 
 class OutputViews:
-    """The renderings of a request, from the engine's output processor (shared by LLMEngine and
-    the two-process engine's front end, engine.core.client.MultiprocessEngine)."""
+    """The renderings of a request, from the engine's output processor, and the request table's
+    clean-up (shared by LLMEngine and the two-process engine's front end,
+    engine.core.client.MultiprocessEngine)."""
 
     output_processor: OutputProcessor
+    requests: dict[str, Request]
+
+    def pop_finished(self, request_id: str) -> Request | None:
+        """Forget a finished request (None if unknown); an unfinished one stays."""
+        req = self.requests.get(request_id)
+        if req is not None and req.is_finished:
+            del self.requests[request_id]
+            self.output_processor.remove(request_id)
+        return req
 
     def visible_text(self, req: Request) -> str:
         return self.output_processor.visible_text(req)
@@ -176,13 +186,6 @@ class LLMEngine(OutputViews):
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
-
-    def pop_finished(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is not None and req.is_finished:
-            del self.requests[request_id]
-            self.output_processor.remove(request_id)
-        return req
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[Request]:

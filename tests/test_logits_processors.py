@@ -20,6 +20,7 @@ from engine.sampling import SlotState, process_logits
 from engine.sampling_params import SamplingParams, SamplingParamsError
 from engine.sampling_params import StructuredOutputsParams as SO
 from engine.step import FLAG_PENALTY, FLAG_SAVE_RAW, FLAG_SPARSE
+from tests.processor_cases import random_params
 
 
 def vllm_penalties(logits: np.ndarray, prompt: list[int], output: list[int],
@@ -57,24 +58,6 @@ def _request(i: int, prompt: list[int], output: list[int], params: SamplingParam
     return req
 
 
-def _random_params(rng: np.random.Generator, vocab: int) -> SamplingParams:
-    kw: dict = {}
-    if rng.random() < 0.7:
-        kw["repetition_penalty"] = float(rng.choice([0.5, 0.9, 1.0, 1.3, 2.0]))
-        kw["frequency_penalty"] = float(rng.choice([-1.0, 0.0, 0.4, 2.0]))
-        kw["presence_penalty"] = float(rng.choice([-0.5, 0.0, 0.7, 1.5]))
-    if rng.random() < 0.5:
-        ids = rng.choice(vocab, int(rng.integers(1, 30)), replace=False)
-        kw["logit_bias"] = {int(t): float(rng.uniform(-100, 100)) for t in ids}
-    if rng.random() < 0.3:
-        kw["allowed_token_ids"] = rng.choice(vocab, int(rng.integers(1, vocab // 2)),
-                                             replace=False).tolist()
-    if rng.random() < 0.4:
-        kw["min_tokens"] = int(rng.integers(1, 12))
-        kw["stop_token_ids"] = rng.choice(vocab, 3, replace=False).tolist()
-    return SamplingParams(max_tokens=64, **kw)
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_process_logits_is_vllms_formulas(seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -84,7 +67,7 @@ def test_process_logits_is_vllms_formulas(seed: int) -> None:
     logits = (rng.standard_normal((rows, vocab)) * 4).astype(np.float32)
     logits[:, rng.integers(0, vocab, 10)] = -np.inf
     for i in range(rows):
-        params = _random_params(rng, vocab)
+        params = random_params(rng, vocab)
         prompt = rng.integers(0, vocab, int(rng.integers(1, 40))).tolist()
         output = rng.integers(0, vocab // 3, int(rng.integers(0, 30))).tolist()
         req = _request(i, prompt, output, params)

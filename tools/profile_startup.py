@@ -59,6 +59,12 @@ def main() -> None:
             t[k] = getattr(ex, k)
     t.update({f"graph_{k}": v for k, v in getattr(ex, "graph_stats", {}).items()})
     t.update(getattr(ex, "startup_phases", {}))
+    _report(t, prof, a)
+    eng.shutdown() if hasattr(eng, "shutdown") else None
+
+
+def _report(t: dict, prof: cProfile.Profile, a: argparse.Namespace) -> None:
+    """The phases as JSON, then the top functions by cumulative time (and both to --json)."""
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.top)
     print(json.dumps(t, indent=1))
@@ -66,7 +72,6 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"phases": t, "profile": s.getvalue()}, f, indent=1)
-    eng.shutdown() if hasattr(eng, "shutdown") else None
 
 
 def kernels_only(a: argparse.Namespace) -> None:
@@ -89,13 +94,7 @@ def kernels_only(a: argparse.Namespace) -> None:
     from cutlass_kernels._cache import STATS
 
     t["cache"] = dict(STATS)
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("cumulative").print_stats(a.top)
-    print(json.dumps(t, indent=1))
-    print(s.getvalue())
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"phases": t, "profile": s.getvalue()}, f, indent=1)
+    _report(t, prof, a)
 
 
 if __name__ == "__main__":

@@ -166,13 +166,6 @@ class MultiprocessEngine(OutputViews):
     def has_unfinished(self) -> bool:
         return any(not r.is_finished for r in self.requests.values())
 
-    def pop_finished(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is not None and req.is_finished:
-            del self.requests[request_id]
-            self.output_processor.remove(request_id)
-        return req
-
     def gauges(self) -> dict[str, Any]:
         """The core's latest scheduler / KV snapshot (it sends one every 0.1 s). While nothing
         is in flight nobody calls ``step()``: read what the core sent since, here."""
