@@ -109,6 +109,10 @@ class GemmLauncher:
         self._skinny = skinny  # [(tile_t, kernel)] ascending
         self._tiled = tiled
 
+    def tile_for(self, m: int) -> int:
+        """The skinny token tile serving M rows, 0 for the tiled path."""
+        return self._pick(m)[0]
+
     def path(self, m: int) -> str:
         """Which kernel serves M: 'skinny<tile_t>' or 'tiled'."""
         tile_t, _ = self._pick(m)
@@ -128,12 +132,20 @@ class GemmLauncher:
         """Every compiled function (to load modules, ``f.to()``, before graph capture)."""
         return [k.compiled for _, k in self._skinny] + [self._tiled.compiled]
 
-    def __call__(self, a: Any, w: Any, c: Any, m: int, stream: Any) -> None:
+    def __call__(self, a: Any, w: Any, c: Any, m: int, stream: Any,
+                 tile_as: int | None = None) -> None:
+        """``tile_as``: run the kernel (token tile, split-K) that a call of ``tile_as`` rows
+        would run, over ``m`` rows (default: ``m``'s own). Each row of C is then the same bits
+        as in that call: the K order and the split-K reduction of a row depend only on the
+        kernel, not on M or on the row's token tile. Speculative verify rows use it to compute
+        exactly what plain decoding of the step's sequences computes (engine/speculative.py)."""
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise common.KernelArgError(f"m must be a non-negative Python int, got {m!r}")
+        if tile_as is not None and (not isinstance(tile_as, int) or tile_as < 1):
+            raise common.KernelArgError(f"tile_as must be a positive int, got {tile_as!r}")
         if m == 0:
             return
-        tile_t, fn = self._pick(m)
+        tile_t, fn = self._pick(m if tile_as is None else tile_as)
         # The skinny kernel indexes C with Int32; TMA (tiled path) takes 32-bit coordinates.
         if m * self.cfg.k >= 2**31 or (tile_t and m * self.cfg.n >= 2**31):
             raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")

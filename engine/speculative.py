@@ -6,9 +6,9 @@
 
 A speculating request's step (engine/scheduler.py): the proposer drafts up to k tokens from the
 request's own tokens; the step computes the pending token and the drafts, ``[pending, d1..dk]`` at
-positions ``L..L+k``, as one chunk (the forward is the chunked-prefill path: causal attention over
-the request's paged KV), and samples every one of those k+1 rows with the request's own sampling
-parameters at ``step = len(output) + i`` for row i. With cuteinfer's counter-based sampler the
+positions ``L..L+k``, in one forward (causal attention over the request's paged KV), and samples
+every one of those k+1 rows with the request's own sampling parameters at ``step = len(output) +
+i`` for row i. With cuteinfer's counter-based sampler the
 token sampled at row i is exactly the token plain decoding would sample at that position (given
 the same prefix), so accepting the longest prefix of drafts that equals the sampled tokens, plus
 the first sampled token after it, is lossless token for token (greedy and seeded sampling alike;
@@ -17,14 +17,19 @@ docs: ../shared/DFLASH.md 3.2-3.3). The KV of the pending token and the accepted
 
 Requests that want logprobs or prompt logprobs, or have logits processors (whose device state
 advances once per sampled row), decode plainly; so does everyone while ``disable_by_batch_size``
-or more requests run (verify spans run eagerly; a batch's plain step replays a graph), and a
-request whose drafts keep being rejected stops drafting (``MIN_ACCEPTANCE``).
+or more requests run (each draft costs a row of compute in a batch that may already fill the
+GPU), and a request whose drafts keep being rejected stops drafting (``MIN_ACCEPTANCE``).
 
-Exactness: on the numpy backend outputs equal plain decoding's token for token (tests). On cuda
-the verify span is a multi-token forward (the chunked-prefill kernels) while plain decoding
-replays the decode graph; their bf16 arithmetic differs in rounding, so where two tokens are
-nearly tied the chosen one can differ (random-weight checkpoints, whose logits are flat: 94-98%
-of tokens agree, docs/perf.md v15). Batch-invariant verify kernels would make it exact.
+Exactness: on the numpy backend outputs equal plain decoding's token for token (tests). On cuda a
+step whose every token is sampled (spans beside plain decode rows) runs as decode rows, one per
+token (``CudaExecutor.verify_rows``), with the GEMM kernels and split-KV factor plain decoding
+of the step's B sequences uses, replayed from a verify graph per bucket of B (B x (k+1) rows):
+every row's logits are the bits plain decoding computes at that position (tests/gpu/
+test_speculative.py), so outputs are equal token for token whenever the plain run decodes the
+same requests at the same bucket -- always at batch 1, the default. Plain decoding itself is not
+batch-invariant across buckets (each bucket's GEMM tile and split-KV factor), so with
+speculation in batches (a larger ``disable_by_batch_size``) a request that reaches a position at
+a different batch size than in the plain run can pick the other of two nearly tied tokens.
 
 Proposer methods: ``ngram`` (prompt lookup, on the host). ``dflash`` (a drafter model) is not built
 yet: it is refused with a message saying so.

@@ -54,6 +54,31 @@ def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int,
         num_logprobs=np.full(b, -1, np.int32))
 
 
+def make_span_batch(b: int, ctx: int, q: int, page_size: int, num_pages: int, vocab: int,
+                    seed: int = 0) -> StepBatch:
+    """A speculative verify step: ``b`` sequences, each ``q`` new tokens (``[pending,
+    *drafts]``) at positions ``ctx - q .. ctx - 1`` on random distinct pages, every token
+    sampled (greedy), what ``CudaExecutor.verify_rows`` turns into decode rows."""
+    rng = np.random.default_rng(seed)
+    ppseq = -(-ctx // page_size)
+    pages = rng.permutation(np.arange(1, num_pages))[: b * ppseq].reshape(b, ppseq)
+    pos = np.tile(np.arange(ctx - q, ctx, dtype=np.int32), b)
+    seq = np.repeat(np.arange(b), q)
+    slots = pages[seq, pos // page_size] * page_size + pos % page_size
+    t = b * q
+    z = np.zeros(t, np.float32)
+    return StepBatch(
+        input_ids=rng.integers(0, vocab, t).astype(np.int32), positions=pos,
+        slot_mapping=slots.astype(np.int64),
+        cu_seqlens_q=np.arange(0, t + 1, q, dtype=np.int32),
+        context_lens=np.full(b, ctx, np.int32), page_indices=pages.astype(np.int32),
+        sample_token_idx=np.arange(t, dtype=np.int32), temperature=z,
+        top_k=np.zeros(t, np.int32), top_p=np.ones(t, np.float32), min_p=z,
+        seeds=np.repeat(np.arange(b, dtype=np.uint64), q),
+        sample_steps=np.tile(np.arange(q, dtype=np.uint32), b),
+        num_logprobs=np.full(t, -1, np.int32))
+
+
 def profile_graphs(ex: Any, iters: int = 200, ctx: int = 512,
                    buckets: list[int] | None = None) -> list[dict]:
     """Profile every bucket of ``ex`` (a CudaExecutor) at context length ``ctx``."""

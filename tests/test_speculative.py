@@ -272,3 +272,36 @@ def test_random_workloads_stay_lossless(tiny: Path) -> None:
             o.outputs[0].finish_reason for o in want], f"seed {seed}"
         assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
         _no_pages_left(llm)
+
+
+def test_verify_rows_are_the_span_as_one_decode_row_per_token(tiny: Path) -> None:
+    """CudaExecutor.verify_rows (the cuda verify step's layout): a step whose every token is
+    sampled becomes one decode row per token, row j of a span attending over its own prefix;
+    on the numpy reference the rows give the span's logits. Other steps are not verify steps."""
+    import dataclasses
+
+    from engine.executor.cuda_executor import CudaExecutor
+    from graphs.profile import make_batch, make_span_batch
+
+    llm = LLM(str(tiny), backend="numpy")
+    ex = llm.engine.executor
+    vocab = llm.engine.model_config.vocab_size
+    rng = np.random.default_rng()
+    for cache in ex.k_cache + ex.v_cache:
+        cache[:] = rng.standard_normal(cache.shape)
+    ctx, q = int(rng.integers(20, 60)), int(rng.integers(2, 9))
+    span = make_span_batch(3, ctx, q, 16, ex.num_pages, vocab, seed=int(rng.integers(1 << 20)))
+    rows = CudaExecutor.verify_rows(span)
+    assert rows is not None and rows.is_decode and rows.num_seqs == 3 * q
+    assert rows.context_lens.tolist() == list(range(ctx - q + 1, ctx + 1)) * 3
+    assert np.array_equal(rows.page_indices, np.repeat(span.page_indices, q, axis=0))
+    assert np.array_equal(rows.input_ids, span.input_ids)
+    want = ex.logits(span, np.arange(span.num_tokens))
+    got = ex.logits(rows, np.arange(rows.num_tokens))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a plain decode step, a step with an unsampled token, a prompt-logprob step: not verify
+    assert CudaExecutor.verify_rows(make_batch(4, ctx, 16, ex.num_pages, vocab)) is None
+    part = dataclasses.replace(span, sample_token_idx=span.sample_token_idx[1:])
+    assert CudaExecutor.verify_rows(part) is None
+    plp = dataclasses.replace(span, prompt_logprob_idx=np.zeros(1, np.int32))
+    assert CudaExecutor.verify_rows(plp) is None

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from engine import envs
-from graphs.profile import make_batch
+from graphs.profile import make_batch, make_span_batch
 
 BW = 4.28e12
 
@@ -60,7 +60,11 @@ def host_launch_us(ex, step, reps: int = 5) -> dict:
             for name, v in spent.items() if calls.get(name)}
 
 
-def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -> list[dict]:
+def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool,
+          verify: int = 0) -> list[dict]:
+    """``verify`` = k > 0: also the speculative verify step of each batch (B sequences x
+    (k + 1) rows at context ``ctx``, ``CudaExecutor.verify_body``) replayed from its graph,
+    beside the plain decode graph (``verify_over_decode``)."""
     from engine.args import EngineArgs
     from engine.config import ModelConfig
     from engine.cuda.driver import time_ms
@@ -75,16 +79,24 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
     print(f"{preset}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     bmax = max(batches)
     pages = bmax * -(-ctx // 16) + 8
-    ec = EngineArgs(model=preset, backend="cuda", max_model_len=max(ctx + 16, 2048),
-                    max_num_seqs=bmax, max_num_batched_tokens=max(bmax, 256),
-                    num_gpu_blocks_override=pages, enforce_eager=True).create_engine_config(mc)
+    spec = {} if not verify else {"speculative_config": {
+        "method": "ngram", "num_speculative_tokens": verify, "disable_by_batch_size": bmax + 1}}
+    seqs = bmax * (verify + 1)
+    ec = EngineArgs.from_kwargs(model=preset, backend="cuda", max_model_len=max(ctx + 16, 2048),
+                    max_num_seqs=seqs, max_num_batched_tokens=max(seqs, 256),
+                    num_gpu_blocks_override=pages, enforce_eager=True,
+                    **spec).create_engine_config(mc)
     ex = CudaExecutor(ckpt, ec)
     del ckpt
     wbytes = 2 * mc.num_parameters
-    runner = None
+    runner = vrunner = None
     if graphs:
         runner = ex.graph_runner(sorted(set(batches)))
         runner.capture_all()
+        if verify:
+            vrunner = ex.verify_runner()
+            if vrunner is not None:
+                vrunner.capture_all(show=False)
     rows = []
     for b in batches:
         batch = make_batch(b, ctx, 16, ex.num_pages, mc.vocab_size)
@@ -129,6 +141,16 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool) -
             g_ms, g_p99 = timed(lambda b=b: runner.replay(b))  # capture_all captured b
             r.update(graph_ms=round(g_ms, 4), graph_p99_ms=round(g_p99, 4),
                      graph_floor_ratio=round(floor / g_ms, 3))
+            if vrunner is not None and vrunner.can_replay(b):
+                vb = vrunner.pad(b)
+                span = ex.verify_rows(make_span_batch(b, ctx, verify + 1, 16, ex.num_pages,
+                                                      mc.vocab_size))
+                ex.upload(span, pad_to=vb * (verify + 1))
+                ex.upload_sampling(span, pad_to=vb * (verify + 1))
+                v_ms, v_p99 = timed(lambda vb=vb: vrunner.replay(vb))
+                r.update(verify_k=verify, verify_rows=span.num_seqs, verify_graph_ms=round(
+                    v_ms, 4), verify_p99_ms=round(v_p99, 4),
+                    verify_over_decode=round(v_ms / g_ms, 3))
         rows.append(r)
         print(json.dumps(r), flush=True)
     return rows
@@ -142,10 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--verify", type=int, default=0, metavar="K",
+                    help="also time the speculative verify graph of K drafts per sequence")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     rows = bench(a.preset, [int(x) for x in a.batch.split(",")], a.ctx, a.iters,
-                 not a.no_graphs)
+                 not a.no_graphs, a.verify)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     return 0

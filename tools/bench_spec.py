@@ -1,20 +1,72 @@
 """Speculative decoding against plain decoding on one backend: token agreement, acceptance, speed.
 
     python -m tools.bench_spec --model DIR [--backend cuda] [--k 4] [--requests 8] [--out f.json]
+        [--proposer ngram|oracle] [--workload repeat|copy] [--prompt-len N]
 
-The same requests run plainly and with n-gram speculation (``--k`` drafts), one at a time
-(batch 1, where speculation pays) and then all together: outputs compared token for token (greedy
-and seeded), drafted / accepted counts, and output tokens per second of each. Prompts repeat a
-random phrase, the case prompt lookup is for.
+The same requests run plainly and with speculation (``--k`` drafts), one at a time (batch 1,
+where speculation pays) and then all together: outputs compared token for token (greedy and
+seeded), drafted / accepted counts, and output tokens per second of each.
+
+Proposers: ``ngram`` (prompt lookup, vLLM's); ``oracle`` proposes the plain run's own
+continuation (every draft right: the ceiling of a perfect drafter, the verify step's cost alone).
+Workloads: ``repeat`` (default): token prompts that repeat a random phrase to ``--prompt-len``
+tokens, the case prompt lookup is for; ``copy``: text prompts that ask a model to write a code
+snippet out again (an edit-like, copy-heavy answer: with a real checkpoint the answer repeats the
+prompt; random weights do not copy).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 
 import numpy as np
+
+SNIPPET = """def {name}(items, limit):
+    \"\"\"Return the running totals of items, stopping once a total passes limit.\"\"\"
+    totals = []
+    running = 0
+    for index, value in enumerate(items):
+        running += value * {scale}
+        if running > limit:
+            break
+        totals.append((index, running))
+    return totals
+
+
+class {cls}:
+    def __init__(self, size):
+        self.size = size
+        self.buffer = [0] * size
+
+    def push(self, value):
+        self.buffer = self.buffer[1:] + [value]
+        return sum(self.buffer) / self.size
+"""
+
+
+def _prompts(a: argparse.Namespace, vocab: int, tokenizer=None) -> list:
+    rng = np.random.default_rng(0)
+    if a.workload == "copy":  # a code edit: the answer is mostly the prompt's code again
+        out = []
+        for i in range(a.requests):
+            code = SNIPPET.format(name=f"running_totals_{i}", scale=i + 2, cls=f"Window{i}")
+            ask = (f"Rewrite this Python code with the function renamed to totals_{i}. Output "
+                   f"only the code.\n\n```python\n{code}```")
+            if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+                out.append(tokenizer.apply_chat_template(
+                    [{"role": "user", "content": ask}], tokenize=False,
+                    add_generation_prompt=True))
+            else:
+                out.append(ask + "\n\n```python\n")
+        return out
+    prompts = []
+    for _ in range(a.requests):
+        phrase = rng.integers(5, min(vocab, 20000), int(rng.integers(8, 24))).tolist()
+        prompts.append((phrase * (a.prompt_len // len(phrase) + 1))[:a.prompt_len])
+    return prompts
 
 
 def run_one(a: argparse.Namespace, mode: str) -> dict:
@@ -25,17 +77,23 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
     from engine.engine import resolve_model_dir
 
     vocab = ModelConfig.from_pretrained(resolve_model_dir(a.model)).vocab_size
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(5, min(vocab, 20000), int(rng.integers(8, 24))).tolist() * 6
-               for _ in range(a.requests)]
     params = [SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
               if i % 2 == 0 else
               SamplingParams(temperature=0.8, top_k=40, seed=1000 + i, max_tokens=a.max_tokens,
                              ignore_eos=True) for i in range(a.requests)]
     extra = {} if mode == "plain" else {"speculative_config": {
         "method": "ngram", "num_speculative_tokens": a.k}}
-    llm = LLM(a.model, backend=a.backend, max_num_seqs=max(a.requests, 1), max_model_len=1024,
-              **extra)
+    llm = LLM(a.model, backend=a.backend, max_num_seqs=max(a.requests, 1),
+              max_model_len=max(1024, a.prompt_len + a.max_tokens + 64), **extra)
+    if mode == "spec" and a.proposer == "oracle":
+        with open(a.future) as f:  # the plain run's (prompt ids, output ids), one at a time
+            future = {tuple(p): o for p, o in json.load(f)}
+
+        def oracle(req, k):
+            return future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+
+        llm.engine.scheduler.proposer = oracle
+    prompts = _prompts(a, vocab, llm.get_tokenizer() if a.workload == "copy" else None)
     llm.generate(prompts[:1], params[:1])  # warm
     t0 = time.perf_counter()
     one = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
@@ -47,6 +105,7 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
             "drafted": sum(o.metrics.get("spec_draft_tokens", 0) for o in one),
             "accepted": sum(o.metrics.get("spec_accepted_tokens", 0) for o in one),
             "batch1": [o.outputs[0].token_ids for o in one],
+            "prompt_ids": [list(o.prompt_token_ids) for o in one],
             "batched": [o.outputs[0].token_ids for o in batch]}
 
 
@@ -59,6 +118,11 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--mode", choices=("both", "plain", "spec"), default="both",
                     help="both: each mode in a process of its own (each engine takes the GPU)")
+    ap.add_argument("--proposer", choices=("ngram", "oracle"), default="ngram")
+    ap.add_argument("--workload", choices=("repeat", "copy"), default="repeat")
+    ap.add_argument("--prompt-len", type=int, default=96,
+                    help="repeat workload: prompt tokens (context = this + max_tokens)")
+    ap.add_argument("--future", default=None, help=argparse.SUPPRESS)  # oracle: plain outputs
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.mode != "both":
@@ -68,15 +132,22 @@ def main() -> None:
     import sys
 
     runs = {}
+    future = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     for mode in ("plain", "spec"):
         argv = [sys.executable, "-m", "tools.bench_spec", "--model", a.model, "--backend",
                 a.backend, "--k", str(a.k), "--requests", str(a.requests), "--max-tokens",
-                str(a.max_tokens), "--mode", mode]
+                str(a.max_tokens), "--mode", mode, "--proposer", a.proposer, "--workload",
+                a.workload, "--prompt-len", str(a.prompt_len), "--future", future.name]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         runs[mode] = json.loads(out.strip().splitlines()[-1])
-    res: dict = {"k": a.k, "requests": a.requests, "max_tokens": a.max_tokens}
+        if mode == "plain":
+            json.dump(list(zip(runs[mode]["prompt_ids"], runs[mode]["batch1"], strict=True)),
+                      future)
+            future.close()
+    res: dict = {"k": a.k, "requests": a.requests, "max_tokens": a.max_tokens,
+                 "proposer": a.proposer, "workload": a.workload, "prompt_len": a.prompt_len}
     for mode, r in runs.items():
-        res[mode] = {k: v for k, v in r.items() if k not in ("batch1", "batched")}
+        res[mode] = {k: v for k, v in r.items() if k not in ("batch1", "batched", "prompt_ids")}
     for kind in ("batch1", "batched"):
         p, s = runs["plain"][kind], runs["spec"][kind]
         res[f"{kind}_identical_requests"] = int(sum(x == y for x, y in zip(p, s, strict=True)))

@@ -41,8 +41,9 @@ declare -A G=(
   [odd]="tests/gpu/test_odd_shapes.py"
   [upload]="tests/gpu/test_weight_upload.py tests/gpu/test_staged_inputs.py"
   [logits]="tests/gpu/test_logits_process.py"
+  [spec]="tests/gpu/test_speculative.py"
 )
-TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits"}
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec"}
 for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -196,17 +197,27 @@ class Graph:
         stream.synchronize()  # free memory is read with every earlier step done
         free0, _ = check(cu.cuMemGetInfo(), "cuMemGetInfo")
         t0 = time.perf_counter()
-        check(cu.cuStreamBeginCapture(
-            stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-            "cuStreamBeginCapture")
+        # no garbage collection while capturing: a collection run here would free whatever
+        # device or pinned memory unreachable objects hold (an engine dropped earlier), and a
+        # cuMemFree in the capturing thread invalidates the capture
+        gc_on = gc.isenabled()
+        gc.disable()
         try:
-            body()
-        except BaseException:
-            with contextlib.suppress(CudaError):  # an invalidated capture ends without a graph
-                partial = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
-                cls(partial, None).destroy()
-            raise
-        graph = cls(check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture"), None)
+            check(cu.cuStreamBeginCapture(
+                stream.handle, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+                "cuStreamBeginCapture")
+            try:
+                body()
+            except BaseException:
+                with contextlib.suppress(CudaError):  # an invalidated capture ends graphless
+                    partial = check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+                    cls(partial, None).destroy()
+                raise
+            graph = cls(check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture"),
+                        None)
+        finally:
+            if gc_on:
+                gc.enable()
         try:
             graph.exec = check(cu.cuGraphInstantiate(graph.graph, 0), "cuGraphInstantiate")
             check(cu.cuGraphUpload(graph.exec, stream.handle), "cuGraphUpload")

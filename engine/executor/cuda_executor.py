@@ -11,6 +11,7 @@ is made and the weights upload; the thread is joined before the first launch (gr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -66,14 +67,21 @@ class CudaExecutor(Executor):
         # replays it, computes the grammar masks on the host meanwhile, then runs the sampling
         # tail (decode_tail) eagerly
         self.heads: GraphRunner | None = None
+        # per bucket of sequences that speculate (speculative_config): a verify step of
+        # bucket x (k + 1) rows (verify_body)
+        self.verify: GraphRunner | None = None
         self.graph_stats: dict[str, float] = {}
         if not config.enforce_eager:
             self.graphs = self.graph_runner()
             self.heads = self.graph_runner(body=self.decode_head)
+            self.verify = self.verify_runner()
             if not self.graphs.lazy:
                 self.graph_stats = self.graphs.capture_all(show=verbose)
                 heads = self.heads.capture_all(show=False)
                 self.graph_stats["head_capture_s"] = heads["capture_s"]
+                if self.verify is not None:
+                    ver = self.verify.capture_all(show=False)
+                    self.graph_stats["verify_capture_s"] = ver["capture_s"]
 
     # -- set-up ----------------------------------------------------------------------------------
     def _allocate(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool) -> None:
@@ -118,12 +126,31 @@ class CudaExecutor(Executor):
                                  self.ctx.num_sms, self.page_size)
 
     def _workspace_bytes(self) -> int:
+        """The split-KV workspace of the largest decode launch: B rows at B's splits, or the
+        verify rows of B speculating sequences at B's splits (``verify_body``)."""
         from cutlass_kernels.decode_plan import decode_workspace_bytes
 
         mc, s = self.mc, self.sizes
-        return max(decode_workspace_bytes(b, mc.num_attention_heads, mc.head_dim,
-                                          self._num_splits(b, s.max_pos))
-                   for b in range(1, s.b_max + 1))
+
+        def need(rows: int, splits_of: int) -> int:
+            return decode_workspace_bytes(rows, mc.num_attention_heads, mc.head_dim,
+                                          self._num_splits(splits_of, s.max_pos))
+
+        plain = max(need(b, b) for b in range(1, self.config.max_num_seqs + 1))
+        spec, bks = self._spec_rows(), self._buckets()
+        verify = max((need(min(s.b_max, b * spec), bucket_for(b, bks) or b)
+                      for b in range(1, min(self._spec_below(), s.b_max + 1))), default=0)
+        return max(plain, verify)
+
+    def _spec_rows(self) -> int:
+        """Rows per speculating sequence (1 + k), 1 without speculation."""
+        spec = self.config.speculative_config
+        return 1 + spec.num_speculative_tokens if spec is not None else 1
+
+    def _spec_below(self) -> int:
+        """Sequences speculate while fewer than this run (0: never)."""
+        spec = self.config.speculative_config
+        return spec.disable_by_batch_size if spec is not None else 0
 
     # -- per step --------------------------------------------------------------------------------
     def _check(self, b: StepBatch) -> None:
@@ -197,8 +224,10 @@ class CudaExecutor(Executor):
         buf.steps.upload(p(b.sample_steps, 0), st)
 
     def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
-                num_splits: int) -> None:
-        """All layers and the final norm over the static buffers (eager, or under capture)."""
+                num_splits: int, tile_as: int | None = None) -> None:
+        """All layers and the final norm over the static buffers (eager, or under capture).
+        ``tile_as``: the GEMMs run the kernels of a ``tile_as``-row call (verify rows,
+        ``verify_body``)."""
         k, buf, w, st, mc = self.kernels, self.buf, self.weights, self.stream, self.mc
         t, eps = num_tokens, mc.rms_norm_eps
         pps = self.sizes.pages_per_seq
@@ -208,7 +237,7 @@ class CudaExecutor(Executor):
                 k.norm(buf.resid, None, lw["in_norm"], buf.h, t, eps, st)
             else:
                 k.add_norm(buf.delta, buf.resid, lw["in_norm"], buf.h, t, eps, st)
-            k.qkv(buf.h, lw["qkv"], buf.qkv, t, st)
+            k.qkv(buf.h, lw["qkv"], buf.qkv, t, st, tile_as)
             k.rope(buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"), lw.get("k_norm"),
                    buf.cos_sin, buf.q, self.k_cache[li], self.v_cache[li], t, self.sizes.max_pos,
                    eps, st)
@@ -220,19 +249,20 @@ class CudaExecutor(Executor):
                 k.prefill(buf.q, self.k_cache[li], self.v_cache[li], buf.cu_seqlens,
                           buf.context_lens, buf.page_indices, buf.attn, t, num_seqs, pps,
                           max_q_len, self.scale, st)
-            k.o(buf.attn, lw["o"], buf.delta, t, st)
+            k.o(buf.attn, lw["o"], buf.delta, t, st, tile_as)
             k.add_norm(buf.delta, buf.resid, lw["post_norm"], buf.h, t, eps, st)
-            k.gate_up(buf.h, lw["gate_up"], buf.gate_up, t, st)
+            k.gate_up(buf.h, lw["gate_up"], buf.gate_up, t, st, tile_as)
             k.silu(buf.gate_up, buf.act, t, st)
-            k.down(buf.act, lw["down"], buf.delta, t, st)
+            k.down(buf.act, lw["down"], buf.delta, t, st, tile_as)
         k.add_norm(buf.delta, buf.resid, w.norm, buf.h, t, eps, st)
 
-    def logits(self, num_tokens: int, row_offset: int, n: int) -> None:
+    def logits(self, num_tokens: int, row_offset: int, n: int, tile_as: int | None = None
+               ) -> None:
         """Logits of rows ``logit_idx[row_offset:row_offset+n]`` into ``logits[:n]``."""
         k, buf, st = self.kernels, self.buf, self.stream
         idx = buf.logit_idx.ptr + 4 * row_offset
         k.gather_rows(idx, buf.h, buf.rows, num_tokens, n, st)
-        k.lm_head(buf.rows, self.weights.lm_head, buf.logits, n, st)
+        k.lm_head(buf.rows, self.weights.lm_head, buf.logits, n, st, tile_as)
 
     def decode_body(self, batch: int, num_splits: int) -> None:
         """A decode step of ``batch`` rows over the static buffers: forward, logits of every
@@ -244,6 +274,18 @@ class CudaExecutor(Executor):
         """The forward and the logits of every row (the ``heads`` graphs)."""
         self.forward(batch, batch, True, 1, num_splits)
         self.logits(batch, 0, batch)
+
+    def verify_body(self, rows: int, num_seqs: int) -> None:
+        """A step whose every token is sampled (speculative spans ``[pending, *drafts]`` beside
+        plain decode rows), as ``rows`` decode rows, one per token (``verify_rows``): each row
+        attends over its own context in its sequence's pages, the GEMMs run the kernels and
+        the attention the split-KV factor of plain decoding of the step's ``num_seqs``
+        sequences, so every row's logits are the bits plain decoding computes at that position
+        (same prefix): speculative output equals plain output token for token."""
+        tile = num_seqs
+        self.forward(rows, rows, True, 1, self.decode_splits(num_seqs), tile)
+        self.logits(rows, 0, rows, tile)
+        self.decode_tail(rows)
 
     def decode_tail(self, batch: int) -> None:
         """Logits processors, sampling, token counts over ``logits[:batch]``."""
@@ -260,7 +302,7 @@ class CudaExecutor(Executor):
         return self._num_splits(bk or batch, self.sizes.max_pos)
 
     def _buckets(self) -> list[int]:
-        return bucket_sizes(self.sizes.b_max, self.config.cuda_graph_max_bs)
+        return bucket_sizes(self.config.max_num_seqs, self.config.cuda_graph_max_bs)
 
     # -- decode graphs ---------------------------------------------------------------------------
     def graph_runner(self, buckets: Sequence[int] | None = None,
@@ -272,6 +314,41 @@ class CudaExecutor(Executor):
         plan = DecodePlan(bks, {b: self.decode_splits(b) for b in bks},
                           lazy=bool(self.config.lazy_graph_capture))
         return GraphRunner(plan, self.stage_padding, body or self.decode_body, self.stream)
+
+    def verify_runner(self) -> GraphRunner | None:
+        """Verify graphs (``verify_body``), one per bucket of speculating sequences (those below
+        ``disable_by_batch_size``) whose ``bucket x (k + 1)`` rows fit the step buffers; None
+        without speculation."""
+        rows, below = self._spec_rows(), self._spec_below()
+        top = bucket_for(below - 1, self._buckets()) if below > 1 else None
+        if rows == 1 or top is None:
+            return None
+        bks = [b for b in self._buckets() if b <= top and b * rows <= self.sizes.b_max]
+        if not bks:
+            return None
+        plan = DecodePlan(tuple(bks), {b: self.decode_splits(b) for b in bks},
+                          lazy=bool(self.config.lazy_graph_capture))
+        return GraphRunner(plan, lambda b: self.stage_padding(b * rows),
+                           lambda b, _splits: self.verify_body(b * rows, b), self.stream)
+
+    @staticmethod
+    def verify_rows(b: StepBatch) -> StepBatch | None:
+        """A step whose every token is sampled, in token order (speculative spans beside plain
+        decode rows), as a decode step of one row per token: the row of token j of a sequence
+        whose span starts at position p attends over p + j + 1 tokens of that sequence's pages
+        (the span's KV is written before attention, layer by layer). None for any other step."""
+        t, n = b.num_tokens, b.num_seqs
+        if (b.is_decode or t == 0 or b.sample_token_idx.shape[0] != t
+                or b.prompt_logprob_idx.shape[0]
+                or not np.array_equal(b.sample_token_idx, np.arange(t))):
+            return None
+        q = b.query_lens
+        seq = np.repeat(np.arange(n), q)
+        # context of row j of sequence i: context_lens[i] - q[i] + 1 + j
+        ctx = (b.context_lens[seq] - q[seq] + 1
+               + np.arange(t, dtype=np.int32) - b.cu_seqlens_q[:-1][seq]).astype(np.int32)
+        return dataclasses.replace(b, cu_seqlens_q=np.arange(t + 1, dtype=np.int32),
+                                   context_lens=ctx, page_indices=b.page_indices[seq])
 
     def stage_padding(self, bucket: int) -> None:
         """Valid padding inputs in every row of ``bucket`` (graphs are captured over real
@@ -319,6 +396,8 @@ class CudaExecutor(Executor):
                 self.upload_sampling(b, pad_to=bucket)
                 self.decode_body(b.num_seqs, self.decode_splits(b.num_seqs))
             tokens = self._sampled(b, s_rows)
+        elif (rows := self.verify_rows(b)) is not None and rows.num_tokens <= self.sizes.b_max:
+            tokens, graph = self._verify(rows, b.num_seqs)
         else:
             if b.num_tokens:
                 self.upload(b)
@@ -339,6 +418,24 @@ class CudaExecutor(Executor):
             lp = self._logprobs(s_rows, tokens, int(b.num_logprobs.max()))
         plp = self._prompt_logprobs(b) if p_rows else None
         return StepOutput(sampled=tokens, logprobs=lp, prompt_logprobs=plp, graph=graph)
+
+    def _verify(self, rows: StepBatch, num_seqs: int) -> tuple[np.ndarray, bool]:
+        """Run ``verify_rows``' step: its bucket's verify graph when one holds its rows, else
+        eagerly with the same kernels. (sampled ids, whether a graph ran)"""
+        v = self.verify
+        n = rows.num_seqs
+        if v is not None and v.can_replay(num_seqs):
+            bk = v.pad(num_seqs)
+            r = bk * self._spec_rows()
+            if n <= r:
+                self.upload(rows, pad_to=r)
+                self.upload_sampling(rows, pad_to=r)
+                v.replay(bk)
+                return self._sampled(rows, n), True
+        self.upload(rows)
+        self.upload_sampling(rows)
+        self.verify_body(n, num_seqs)
+        return self._sampled(rows, n), False
 
     # -- sampling and logprobs -------------------------------------------------------------------
     def _sampled(self, b: StepBatch, n: int) -> np.ndarray:

@@ -54,15 +54,22 @@ GRAPH_RESERVE = 256 << 20  # graph executables, module code, allocator slack
 @dataclass(frozen=True)
 class Sizes:
     t_max: int  # tokens per step
-    b_max: int  # sequences per step
+    b_max: int  # sequences (decode rows) per step
     pages_per_seq: int  # row stride of the page-index table
     logit_rows: int
     max_pos: int
 
     @classmethod
     def of(cls, mc: ModelConfig, ec: EngineConfig) -> Sizes:
+        """``b_max``: max_num_seqs, or more with speculation: a verify step runs one decode row
+        per token (``CudaExecutor.verify_rows``), up to (k + 1) rows per sequence of the
+        ``disable_by_batch_size - 1`` that may speculate, within the step's token budget."""
         b = ec.max_num_seqs
         t = max(ec.max_num_batched_tokens, b)
+        spec = ec.speculative_config
+        if spec is not None:
+            seqs = min(b, spec.disable_by_batch_size - 1)
+            b = max(b, min(t, seqs * (1 + spec.num_speculative_tokens)))
         assert ec.max_model_len is not None
         return cls(t, b, math.ceil(ec.max_model_len / ec.block_size),
                    max(min(MAX_LOGIT_ROWS, t), b), ec.max_model_len)
