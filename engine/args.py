@@ -83,8 +83,8 @@ class EngineArgs:
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 4}; also "disable_by_batch_size" (speculate only while fewer '
         "requests run, default 2: batch 1). The embedded LLM takes a dict. The accepted tokens "
-        "are the ones plain decoding samples (greedy and seeded), up to the numerics of a "
-        "multi-token forward on cuda.")
+        "are the ones plain decoding samples (greedy and seeded; on cuda the verify rows run "
+        "plain decoding's kernels: the same bits at the same batch bucket).")
     block_size: int = _option(
         16, "Size of a contiguous cache block in number of tokens (a power of two).")
     enable_prefix_caching: bool = _option(True, "Whether to enable prefix caching.")

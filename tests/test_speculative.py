@@ -305,3 +305,101 @@ def test_verify_rows_are_the_span_as_one_decode_row_per_token(tiny: Path) -> Non
     assert CudaExecutor.verify_rows(part) is None
     plp = dataclasses.replace(span, prompt_logprob_idx=np.zeros(1, np.int32))
     assert CudaExecutor.verify_rows(plp) is None
+
+
+def _issue_681(llm: LLM, rng: np.random.Generator, vocab: int) -> list[int]:
+    """The seed's capacity bug (its issue #681): a 161-page pool, prefix caching off, 20
+    requests one after another of ~1,650 prompt + 512 generated tokens, speculating k = 15 (the
+    DFlash block; here n-gram drafts, repetitive prompts so that they come), greedy and T = 0.8.
+    Returns the free pages after each request."""
+    free = []
+    base = llm.engine.block_manager.gauges()["free"]
+    for i in range(20):
+        phrase = rng.integers(5, vocab, int(rng.integers(6, 40))).tolist()
+        prompt = (phrase * (1650 // len(phrase) + 1))[:int(rng.integers(1600, 1700))]
+        sp = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, max_tokens=512,
+                            ignore_eos=True)
+        out = llm.generate([prompt], [sp])[0]
+        assert out.finished and len(out.outputs[0].token_ids) == 512, i
+        assert out.outputs[0].finish_reason == "length"
+        free.append(llm.engine.block_manager.gauges()["free"])
+    assert free == [base] * 20
+    return free
+
+
+def test_issue_681_scenario_completes_and_frees_every_page(tiny: Path) -> None:
+    llm = LLM(str(tiny), backend="numpy", num_gpu_blocks_override=161,
+              enable_prefix_caching=False, max_model_len=2304,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 15})
+    _issue_681(llm, np.random.default_rng(), llm.engine.model_config.vocab_size)
+    g = llm.engine.gauges()["spec"]
+    assert g["draft_tokens"] > 0 and g["accepted_tokens"] > 0
+
+
+def _first_tokens(llm: LLM, n: int, prompt: list[int]) -> np.ndarray:
+    """``n`` unseeded samples of the first 3 generated tokens of ``prompt`` (batched)."""
+    sp = SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([prompt] * n, [sp] * n)
+    return np.array([o.outputs[0].token_ids for o in outs])
+
+
+def _chi2_two_sample(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
+    """Pearson's chi-square statistic of two samples of categories (rows as tuples), and its
+    degrees of freedom; categories seen fewer than 5 times in all are pooled."""
+    keys = [tuple(r) for r in a] + [tuple(r) for r in b]
+    cats, idx = np.unique(np.array([hash(k) for k in keys]), return_inverse=True)
+    ca = np.bincount(idx[:len(a)], minlength=len(cats)).astype(float)
+    cb = np.bincount(idx[len(a):], minlength=len(cats)).astype(float)
+    small = (ca + cb) < 5
+    if small.any():
+        ca = np.append(ca[~small], ca[small].sum())
+        cb = np.append(cb[~small], cb[small].sum())
+    tot = ca + cb
+    ea, eb = tot * len(a) / len(keys), tot * len(b) / len(keys)
+    stat = float((((ca - ea) ** 2) / ea + ((cb - eb) ** 2) / eb).sum())
+    return stat, len(tot) - 1
+
+
+def _chi2_critical(dof: int, z: float = 3.0902) -> float:
+    """The chi-square quantile at 1 - alpha for alpha = 0.001 (z: the normal quantile), by the
+    Wilson-Hilferty approximation (within 1% for dof >= 3; no scipy here)."""
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * c ** 0.5) ** 3
+
+
+def test_unseeded_sampling_keeps_the_distribution(tiny: Path, monkeypatch) -> None:
+    """Unseeded sampled requests: the joint distribution of the first three tokens with
+    speculation equals plain decoding's, by a two-sample chi-square test at alpha = 0.001. The
+    proposer drafts the plain run's most frequent second token (accepted about as often as it is
+    sampled). The engines draw their requests' seeds from different engine seeds, so the two
+    samples are independent. The test's power is shown on the alternative a broken acceptor
+    makes (one that accepts every draft, whatever the target sampled): with the same sample
+    sizes it rejects (statistic 1,400-2,300 against critical values 70-120 on three prompts;
+    the unbroken one 40-63)."""
+    import engine.scheduler as sched
+
+    rng = np.random.default_rng()
+    prompt = rng.integers(5, 200, 12).tolist()
+    n = 1500
+    spec_cfg = dict(NGRAM, num_speculative_tokens=2, disable_by_batch_size=1000)
+    plain = _first_tokens(LLM(str(tiny), backend="numpy", max_num_seqs=256, seed=1), n, prompt)
+    vals, counts = np.unique(plain[:, 1], return_counts=True)
+    mode = int(vals[np.argmax(counts)])
+
+    def spec_llm() -> LLM:
+        llm = LLM(str(tiny), backend="numpy", max_num_seqs=256, speculative_config=spec_cfg,
+                  seed=int(rng.integers(2, 1 << 30)))
+        llm.engine.scheduler.proposer = lambda req, k: [mode][:k]
+        return llm
+
+    llm = spec_llm()
+    spec = _first_tokens(llm, n, prompt)
+    g = llm.engine.gauges()["spec"]
+    assert g["draft_tokens"] == n and 0 < g["accepted_tokens"] < n
+    stat, dof = _chi2_two_sample(plain, spec)
+    assert stat < _chi2_critical(dof), (stat, dof)
+    # the broken acceptor: every draft accepted
+    monkeypatch.setattr(sched, "accept", lambda drafts, sampled: len(drafts))
+    biased = _first_tokens(spec_llm(), n, prompt)
+    stat_b, dof_b = _chi2_two_sample(plain, biased)
+    assert stat_b > _chi2_critical(dof_b), (stat_b, dof_b)

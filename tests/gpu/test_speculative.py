@@ -205,3 +205,19 @@ def test_oracle_and_adversarial_proposers_on_cuda(model_dir, wrong):
     assert accepted == (0 if wrong else drafted)
     _report({"test": "oracle_adversarial_cuda", "wrong": wrong, "drafted": drafted,
              "accepted": accepted})
+
+
+def test_issue_681_scenario_on_cuda(model_dir):
+    """The seed's #681 capacity scenario (tests/test_speculative.py ``_issue_681``) on cuda:
+    161 pages, prefix caching off, 20 requests of ~1,650 + 512 tokens, k = 15, greedy and
+    T = 0.8: every request completes and the free pages return to the baseline after each."""
+    from tests.test_speculative import _issue_681
+
+    llm = LLM(str(model_dir), backend="cuda", num_gpu_blocks_override=161,
+              enable_prefix_caching=False, max_model_len=2304, max_num_seqs=8,
+              speculative_config={"method": "ngram", "num_speculative_tokens": K})
+    free = _issue_681(llm, np.random.default_rng(), llm.engine.model_config.vocab_size)
+    g = llm.engine.gauges()["spec"]
+    assert g["draft_tokens"] > 0
+    _report({"test": "issue_681_cuda", "free_after_each": free[:3], "spec": {
+        k: g[k] for k in ("draft_tokens", "accepted_tokens", "drafts")}})
