@@ -35,19 +35,21 @@ def _short(name: str) -> str:
 
 
 def make_batch(b: int, ctx: int, page_size: int, num_pages: int, vocab: int,
-               seed: int = 0) -> StepBatch:
+               seed: int = 0, spread: int = 0) -> StepBatch:
     """A decode step of ``b`` sequences at context ``ctx`` on random distinct pages (random tokens,
-    greedy sampling): what a graph replays when it is timed."""
+    greedy sampling): what a graph replays when it is timed. ``spread``: contexts drawn
+    uniformly from ``ctx - spread .. ctx + spread`` instead (a served batch's mix)."""
     rng = np.random.default_rng(seed)
-    ppseq = -(-ctx // page_size)
+    ctxs = (rng.integers(ctx - spread, ctx + spread + 1, b) if spread else np.full(b, ctx))
+    ppseq = -(-int(ctxs.max()) // page_size)
     pages = rng.permutation(np.arange(1, num_pages))[: b * ppseq].reshape(b, ppseq)
-    pos = np.full(b, ctx - 1, np.int32)
-    slots = pages[:, (ctx - 1) // page_size] * page_size + (ctx - 1) % page_size
+    pos = (ctxs - 1).astype(np.int32)
+    slots = pages[np.arange(b), pos // page_size] * page_size + pos % page_size
     z = np.zeros(b, np.float32)
     return StepBatch(
         input_ids=rng.integers(0, vocab, b).astype(np.int32), positions=pos,
         slot_mapping=slots.astype(np.int64), cu_seqlens_q=np.arange(b + 1, dtype=np.int32),
-        context_lens=np.full(b, ctx, np.int32), page_indices=pages.astype(np.int32),
+        context_lens=ctxs.astype(np.int32), page_indices=pages.astype(np.int32),
         sample_token_idx=np.arange(b, dtype=np.int32), temperature=z,
         top_k=np.zeros(b, np.int32), top_p=np.ones(b, np.float32), min_p=z,
         seeds=np.arange(b, dtype=np.uint64), sample_steps=np.zeros(b, np.uint32),

@@ -61,10 +61,12 @@ def host_launch_us(ex, step, reps: int = 5) -> dict:
 
 
 def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool,
-          verify: int = 0) -> list[dict]:
+          verify: int = 0, spread: int = 0, sweep: tuple[int, ...] = ()) -> list[dict]:
     """``verify`` = k > 0: also the speculative verify step of each batch (B sequences x
     (k + 1) rows at context ``ctx``, ``CudaExecutor.verify_body``) replayed from its graph,
-    beside the plain decode graph (``verify_over_decode``)."""
+    beside the plain decode graph (``verify_over_decode``). ``spread``: contexts uniform in
+    ``ctx +- spread`` (a served batch); ``sweep``: also replay graphs captured with each of these
+    split-KV factors (``split_sweep_ms``)."""
     from engine.args import EngineArgs
     from engine.config import ModelConfig
     from engine.cuda.driver import time_ms
@@ -78,14 +80,21 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool,
     ckpt = Checkpoint(Path(preset), mc, make_weights(mc, seed=0, threads=16))
     print(f"{preset}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     bmax = max(batches)
-    pages = bmax * -(-ctx // 16) + 8
+    pages = bmax * -(-(ctx + spread) // 16) + 8
     spec = {} if not verify else {"speculative_config": {
         "method": "ngram", "num_speculative_tokens": verify, "disable_by_batch_size": bmax + 1}}
     seqs = bmax * (verify + 1)
-    ec = EngineArgs.from_kwargs(model=preset, backend="cuda", max_model_len=max(ctx + 16, 2048),
+    ec = EngineArgs.from_kwargs(model=preset, backend="cuda",
+                    max_model_len=max(ctx + spread + 16, 2048),
                     max_num_seqs=seqs, max_num_batched_tokens=max(seqs, 256),
                     num_gpu_blocks_override=pages, enforce_eager=True,
                     **spec).create_engine_config(mc)
+    if sweep:  # room for the largest split factor swept
+        from cutlass_kernels.decode_plan import decode_workspace_bytes
+
+        own = CudaExecutor._workspace_bytes
+        CudaExecutor._workspace_bytes = lambda self: max(own(self), decode_workspace_bytes(
+            seqs, mc.num_attention_heads, mc.head_dim, max(sweep)))
     ex = CudaExecutor(ckpt, ec)
     del ckpt
     wbytes = 2 * mc.num_parameters
@@ -99,7 +108,7 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool,
                 vrunner.capture_all(show=False)
     rows = []
     for b in batches:
-        batch = make_batch(b, ctx, 16, ex.num_pages, mc.vocab_size)
+        batch = make_batch(b, ctx, 16, ex.num_pages, mc.vocab_size, spread=spread)
         ex.upload(batch)
         ex.upload_sampling(batch)
         splits = ex.decode_splits(b)
@@ -131,6 +140,7 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool,
         kv = b * ctx * mc.num_hidden_layers * 2 * mc.kv_size * 2
         floor = decode_bytes_read(mc, b, ctx) / BW * 1e3
         r = dict(model=preset, engine="cuteinfer", pdl=envs.pdl_enabled(), bs=b, ctx=ctx,
+                 ctx_spread=spread,
                  eager_ms=round(eager_ms, 4),
                  eager_p99_ms=round(eager_p99, 4), step_full_ms=round(float(np.median(t_full)), 4),
                  floor_ms=round(floor, 4),
@@ -141,6 +151,16 @@ def bench(preset: str, batches: list[int], ctx: int, iters: int, graphs: bool,
             g_ms, g_p99 = timed(lambda b=b: runner.replay(b))  # capture_all captured b
             r.update(graph_ms=round(g_ms, 4), graph_p99_ms=round(g_p99, 4),
                      graph_floor_ratio=round(floor / g_ms, 3))
+            if sweep:
+                ms = {}
+                for ns in sweep:
+                    sr = ex.graph_runner([b], splits=ns)
+                    sr.capture(b)
+                    ex.upload(batch)
+                    ex.upload_sampling(batch)
+                    ms[ns] = round(timed(lambda b=b, sr=sr: sr.replay(b))[0], 4)
+                    sr.destroy()
+                r.update(split_sweep_ms=ms)
             if vrunner is not None and vrunner.can_replay(b):
                 vb = vrunner.pad(b)
                 span = ex.verify_rows(make_span_batch(b, ctx, verify + 1, 16, ex.num_pages,
@@ -164,12 +184,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--ctx-spread", type=int, default=0, metavar="S",
+                    help="contexts uniform in ctx +- S (default: all at ctx)")
+    ap.add_argument("--split-sweep", default="", metavar="LIST",
+                    help="also time graphs captured with these split-KV factors, e.g. 1,2,4")
     ap.add_argument("--verify", type=int, default=0, metavar="K",
                     help="also time the speculative verify graph of K drafts per sequence")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     rows = bench(a.preset, [int(x) for x in a.batch.split(",")], a.ctx, a.iters,
-                 not a.no_graphs, a.verify)
+                 not a.no_graphs, a.verify, a.ctx_spread,
+                 tuple(int(x) for x in a.split_sweep.split(",") if x))
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     return 0

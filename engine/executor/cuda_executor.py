@@ -306,12 +306,14 @@ class CudaExecutor(Executor):
 
     # -- decode graphs ---------------------------------------------------------------------------
     def graph_runner(self, buckets: Sequence[int] | None = None,
-                     body: Callable[[int, int], None] | None = None) -> GraphRunner:
+                     body: Callable[[int, int], None] | None = None,
+                     splits: int | None = None) -> GraphRunner:
         """A runner of decode graphs over this executor's static buffers: the engine's buckets,
         or (tools) the given ones, each captured with the split-KV factor ``decode_splits``
-        gives it; ``body``: what each graph runs (default ``decode_body``, a whole step)."""
+        gives it (tools: ``splits`` for all); ``body``: what each graph runs (default
+        ``decode_body``, a whole step)."""
         bks = tuple(sorted(set(buckets))) if buckets else tuple(self._buckets())
-        plan = DecodePlan(bks, {b: self.decode_splits(b) for b in bks},
+        plan = DecodePlan(bks, {b: splits or self.decode_splits(b) for b in bks},
                           lazy=bool(self.config.lazy_graph_capture))
         return GraphRunner(plan, self.stage_padding, body or self.decode_body, self.stream)
 
