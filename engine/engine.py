@@ -154,6 +154,7 @@ class LLMEngine(OutputViews):
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
         trace = envs.step_trace_path()  # one line per step (CUTEINFER_STEP_TRACE), or None
         self._trace = None if trace is None else open(trace, "a", buffering=1 << 16)  # noqa: SIM115
+        self._marks: list[float] = []
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -193,15 +194,24 @@ class LLMEngine(OutputViews):
         if self._trace is None:
             return self._step()
         t0 = time.perf_counter()
+        self._marks = []
         changed = self._step()
         st = self.stats
+        marks = self._marks + [0.0] * (3 - len(self._marks))
         self._trace.write(f"{t0:.6f} {time.perf_counter():.6f} {st.steps} {st.tokens} "
                           f"{st.graph_steps} {len(self.scheduler.running)} "
-                          f"{len(self.scheduler.waiting)}\n")
+                          f"{len(self.scheduler.waiting)} {marks[0]:.6f} {marks[1]:.6f} "
+                          f"{marks[2]:.6f}\n")
         return changed
+
+    def _mark(self) -> None:
+        """Step trace: the time a phase of the step ended (scheduled, batch built, executed)."""
+        if self._trace is not None:
+            self._marks.append(time.perf_counter())
 
     def _step(self) -> list[Request]:
         out = self.scheduler.schedule()
+        self._mark()
         if not out.seqs:
             return list(out.refused)
         error, rows = out.error, None
@@ -209,7 +219,10 @@ class LLMEngine(OutputViews):
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(out)
-                step = self.executor.execute(build_batch(out, self.processors))
+                batch = build_batch(out, self.processors)
+                self._mark()
+                step = self.executor.execute(batch)
+                self._mark()
             except Exception as e:  # fail this step's requests (or rows) only; keep serving
                 rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
                 error = f"{type(e).__name__}: {e}"

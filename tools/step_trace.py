@@ -3,7 +3,8 @@
     python -m tools.step_trace TRACE [--json OUT]
 
 Each trace line (engine/engine.py ``LLMEngine.step``): start and end (perf_counter), then the
-cumulative steps, tokens and graph steps, then the running and waiting counts after the step.
+cumulative steps, tokens and graph steps, then the running and waiting counts after the step,
+then when the step was scheduled, its batch built and executed (phases, ``phases_ms_p50``).
 Prints, for graph (decode replay) and eager steps: how many, their total and median time, the
 tokens they computed; the time between steps (the core's own loop: outputs sent, commands read);
 and eager step times by tokens in the step.
@@ -49,6 +50,15 @@ def summarize(lines: list[str]) -> dict:
             by[f"{lo}-{hi - 1}"] = {"n": int(m.sum()), "ms_p50": float(np.median(dur[m])),
                                     "ms_max": float(dur[m].max())}
     out["eager_by_tokens"] = by
+    if rows.shape[1] >= 10:  # phase marks: scheduled, batch built, executed
+        m0, m1, m2 = rows[:, 7], rows[:, 8], rows[:, 9]
+        ok = stepped & (m2 > 0)
+        phases = {"schedule": m0 - t0, "build_batch": m1 - m0, "execute": m2 - m1,
+                  "update_outputs": t1 - m2}
+        for name, m in (("graph", graph & ok), ("eager", ~graph & ok)):
+            if m.any():
+                out[name]["phases_ms_p50"] = {k: round(float(np.median(v[m])) * 1e3, 4)
+                                              for k, v in phases.items()}
     return out
 
 
