@@ -19,6 +19,8 @@ Each variable has a function here; the rest of the engine calls the function, ne
   (vLLM's ``VLLM_API_KEY``).
 - ``CUTEINFER_STEP_TRACE``: a file path; each engine step appends one line to it (start and end
   times, tokens, sequences, graph or eager), for tools that break serving time down.
+- ``CUTEINFER_GRAMMAR_SHARDS``: lexers per grammar for structured output's token masks (default:
+  one per mask thread; ``1``: one shared lexer, whose lock serializes the masks).
 """
 
 from __future__ import annotations
@@ -96,4 +98,16 @@ def compile_workers() -> int | None:
         return None
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"CUTEINFER_COMPILE_WORKERS must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def grammar_shards() -> int | None:
+    """``CUTEINFER_GRAMMAR_SHARDS``: lexers per grammar for structured output's masks (a positive
+    count; ``1``: every request of a grammar shares one lexer and its lock), or None (unset: one
+    per mask thread, engine/structured/matcher.py)."""
+    value = os.environ.get("CUTEINFER_GRAMMAR_SHARDS", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"CUTEINFER_GRAMMAR_SHARDS must be an integer >= 1, got {value!r}")
     return int(value)
