@@ -38,6 +38,27 @@ GENERATION_CONFIGS = ("auto", "vllm")
 DEFAULT_LONG_PREFILL_TOKENS = {"numpy": 256, "cuda": 0}
 
 
+# --dflash-draft-model-path DIR (pegainfer's flag): --speculative-config's dflash form
+DFLASH_ALIAS = "dflash_draft_model_path"
+
+
+def with_dflash_model(spec_json: str | None, model: str) -> str:
+    """``--speculative-config`` (JSON text or None) with ``--dflash-draft-model-path``'s
+    drafter folded in: method dflash, model DIR; ConfigError when they disagree."""
+    value: Any = {}
+    if spec_json:
+        try:
+            value = json.loads(spec_json)
+        except ValueError as e:
+            raise ConfigError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config must be a JSON object")
+    if value.get("method", "dflash") != "dflash" or value.get("model", model) != model:
+        raise ConfigError(f"--{DFLASH_ALIAS.replace('_', '-')} {model} contradicts "
+                          f"--speculative-config {spec_json}; give one of them")
+    return json.dumps({**value, "method": "dflash", "model": model})
+
+
 def _option(default: Any, help: str, *, choices: tuple[str, ...] | None = None,
             cli: bool = True) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
@@ -81,7 +102,9 @@ class EngineArgs:
     speculative_config: str | None = _option(
         None, "Speculative decoding, as JSON (vLLM's --speculative-config): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-        '"prompt_lookup_max": 4}; also "disable_by_batch_size" (speculate only while fewer '
+        '"prompt_lookup_max": 4}, or {"method": "dflash", "model": DRAFTER_DIR} (a DFlash '
+        "drafter, numpy backend so far; num_speculative_tokens defaults to its block_size - 1); "
+        'also "disable_by_batch_size" (speculate only while fewer '
         "requests run, default 2: batch 1). The embedded LLM takes a dict. The accepted tokens "
         "are the ones plain decoding samples (greedy and seeded; on cuda the verify rows run "
         "plain decoding's kernels: the same bits at the same batch bucket).")
@@ -166,14 +189,24 @@ class EngineArgs:
             else:
                 group.add_argument(flag, type=kind, default=f.default,
                                    choices=f.metadata["choices"], help=helptext)
+        if "speculative_config" not in exclude:
+            group.add_argument(
+                "--" + DFLASH_ALIAS.replace("_", "-"), metavar="DIR", default=None,
+                help="A DFlash drafter checkpoint directory: the same as --speculative-config "
+                '\'{"method": "dflash", "model": DIR}\' (other --speculative-config fields may '
+                "be given with it).")
         return parser
 
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         """The options in ``namespace`` (parsed after ``add_cli_args``); those not on the command
         line keep their defaults."""
-        return cls(**{f.name: getattr(namespace, f.name) for f in fields(cls)
-                      if hasattr(namespace, f.name)})
+        kw = {f.name: getattr(namespace, f.name) for f in fields(cls)
+              if hasattr(namespace, f.name)}
+        draft = getattr(namespace, DFLASH_ALIAS, None)
+        if draft:
+            kw["speculative_config"] = with_dflash_model(kw.get("speculative_config"), draft)
+        return cls(**kw)
 
     # -- resolving -----------------------------------------------------------------------------
     def create_engine_config(self, model_config: ModelConfig,
@@ -216,6 +249,8 @@ class EngineArgs:
         from engine.speculative import SpeculativeConfig
 
         spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None:
+            spec.check(model_config, backend, self.tensor_parallel_size)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return EngineConfig(**{**values, "backend": backend, "max_model_len": mml,
                                "long_prefill_token_threshold": lp, "speculative_config": spec})

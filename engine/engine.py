@@ -35,6 +35,7 @@ from engine.outputs import RequestDelta, RequestOutput
 from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.speculative import build_dflash_proposer
 from engine.step import build_batch
 from engine.tokenizer import Tokenizer
 
@@ -135,6 +136,14 @@ class LLMEngine(OutputViews):
             self.executor.shutdown()
             raise
         self.scheduler = Scheduler(cfg, self.block_manager)
+        spec = cfg.speculative_config
+        if spec is not None and spec.method == "dflash":  # the drafter behind the proposer seam
+            try:
+                self.scheduler.proposer = build_dflash_proposer(
+                    spec, mcfg, self.executor, self.block_manager, cfg.max_model_len)
+            except Exception:
+                self.executor.shutdown()
+                raise
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size, cfg.max_model_len,
                                               cfg.block_size, self.block_manager.num_pages,
                                               str(model_dir),

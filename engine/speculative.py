@@ -31,22 +31,37 @@ batch-invariant across buckets (each bucket's GEMM tile and split-KV factor), so
 speculation in batches (a larger ``disable_by_batch_size``) a request that reaches a position at
 a different batch size than in the plain run can pick the other of two nearly tied tokens.
 
-Proposer methods: ``ngram`` (prompt lookup, on the host). ``dflash`` (a drafter model) is not built
-yet: it is refused with a message saying so.
+Proposer methods: ``ngram`` (prompt lookup, on the host) and ``dflash`` (a DFlash drafter,
+engine/model/dflash.py; numpy backend only so far)::
+
+    LLM(model, backend="numpy", speculative_config={"method": "dflash", "model": DRAFTER_DIR})
+    cuteinfer serve MODEL --backend numpy --dflash-draft-model-path DRAFTER_DIR
+
+``num_speculative_tokens`` defaults to the drafter's ``block_size - 1`` (15 for the b16
+checkpoints) and may not exceed it. The executor captures the target's hidden states of the
+drafter's ``target_layer_ids`` at every computed token's KV slot (``NumpyExecutor.
+enable_capture``); ``DFlashProposer`` reads a request's committed positions' features through
+its page table, runs the drafter's block ``[pending, MASK...]`` and proposes its argmax drafts. A
+request whose block would pass ``max_model_len`` decodes plainly. Drafts never change the
+output (verification alone decides), only how many tokens a step commits.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.config import ConfigError
+from engine.config import ConfigError, ModelConfig
 
-METHODS = ("ngram",)
-PLANNED = ("dflash",)  # vLLM / SGLang names refused until built
+if TYPE_CHECKING:
+    from engine.model.dflash import DFlashDrafter
+    from engine.request import Request
+
+METHODS = ("ngram", "dflash")
+PLANNED: tuple[str, ...] = ()  # vLLM / SGLang names refused until built
 MAX_SPECULATIVE_TOKENS = 16
 # after this many speculative steps, a request whose accepted / drafted share is below
 # MIN_ACCEPTANCE drafts no more (each rejected draft costs a row of compute)
@@ -64,6 +79,7 @@ class SpeculativeConfig:
     # while plain decode replays a graph, so n-gram speculation paid at batch 1 (qwen3-8b,
     # +14%) and lost at batch 8 (-20%; docs/perf.md v15)
     disable_by_batch_size: int = 2
+    model: str | None = None  # dflash: the drafter checkpoint directory
 
     @classmethod
     def parse(cls, value: str | dict | None) -> SpeculativeConfig | None:
@@ -92,6 +108,8 @@ class SpeculativeConfig:
         if method not in METHODS:
             raise ConfigError(f"speculative_config.method must be one of {list(METHODS)}, got "
                               f"{method!r}")
+        if method == "dflash":
+            return cls._parse_dflash(value)
         if "model" in value:
             raise ConfigError("speculative_config.model: the ngram method takes no draft model")
         ints = {k: value.get(k, getattr(cls, k)) for k in
@@ -108,6 +126,51 @@ class SpeculativeConfig:
                               f"prompt_lookup_max, got {ints['prompt_lookup_min']} > "
                               f"{ints['prompt_lookup_max']}")
         return cls(method=method, **ints)
+
+    @classmethod
+    def _parse_dflash(cls, value: dict) -> SpeculativeConfig:
+        for k in ("prompt_lookup_min", "prompt_lookup_max"):
+            if k in value:
+                raise ConfigError(f"speculative_config.{k}: only the ngram method takes it; "
+                                  "leave it out for dflash")
+        model = value.get("model")
+        if not isinstance(model, str) or not model:
+            raise ConfigError('speculative_config.model is required for method "dflash": the '
+                              "DFlash drafter checkpoint directory (or pass "
+                              f"--dflash-draft-model-path DIR), got {model!r}")
+        from engine.model.dflash import DFlashConfig
+
+        dc = DFlashConfig.from_pretrained(model)
+        most = min(dc.num_drafts, MAX_SPECULATIVE_TOKENS)
+        ints = {"num_speculative_tokens": value.get("num_speculative_tokens", most),
+                "disable_by_batch_size": value.get("disable_by_batch_size",
+                                                   cls.disable_by_batch_size)}
+        for k, v in ints.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"speculative_config.{k} must be an integer >= 1, got {v!r}")
+        if ints["num_speculative_tokens"] > most:
+            raise ConfigError(
+                f"speculative_config.num_speculative_tokens must be <= {most} (the drafter's "
+                f"block_size {dc.block_size} - 1"
+                + (f", at most {MAX_SPECULATIVE_TOKENS}" if most < dc.num_drafts else "")
+                + f"), got {ints['num_speculative_tokens']}")
+        return cls(method="dflash", model=model, **ints)
+
+    def check(self, target: ModelConfig, backend: str, tensor_parallel_size: int) -> None:
+        """What only the engine's model and backend can tell: a dflash drafter must fit the
+        target model and, for now, run on the numpy backend with one rank."""
+        if self.method != "dflash":
+            return
+        if backend != "numpy" or tensor_parallel_size != 1:
+            raise ConfigError(
+                "speculative_config.method 'dflash' runs on the numpy backend (with "
+                "tensor_parallel_size 1) so far; the cuda drafter is not built yet: use "
+                "--backend numpy, or method 'ngram' on cuda")
+        from engine.model.dflash import DFlashConfig
+
+        assert self.model is not None
+        DFlashConfig.from_pretrained(self.model).check_target(
+            target, f"speculative_config.model {self.model!r}")
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -150,3 +213,52 @@ def accept(drafts: tuple[int, ...] | list[int], sampled: list[int]) -> int:
 def eligible(params: Any, procs: Any) -> bool:
     """A request that may speculate: no logprobs, no prompt logprobs, no logits processors."""
     return params.logprobs is None and params.prompt_logprobs is None and procs is None
+
+
+class DFlashProposer:
+    """The DFlash drafter behind the scheduler's proposer seam: ``(request, k) -> drafts``.
+
+    For a decoding request with committed length L (positions 0..L-1 computed; its pending
+    token, the last one, sits at position L) it gathers the target features of positions
+    0..L-1 from the executor's per-slot capture store through the request's page table, runs
+    the drafter's block and returns the first k of its ``block_size - 1`` drafts. The numpy
+    drafter recomputes the context projection and every draft layer's context K/V on each call
+    (O(L) work per draft step, see engine/model/dflash.py): simple and exact, fine for the
+    reference backend. No drafts (plain decode) when the block would pass ``max_model_len``."""
+
+    def __init__(self, drafter: DFlashDrafter, features: np.ndarray, block_manager: Any,
+                 page_size: int, max_model_len: int) -> None:
+        self.drafter, self.features, self.bm = drafter, features, block_manager
+        self.page_size, self.max_model_len = page_size, max_model_len
+
+    def context_features(self, req: Request) -> np.ndarray:
+        """[L, n*H]: the captured features of the request's committed positions."""
+        n, ps = req.num_computed_tokens, self.page_size
+        table = np.frombuffer(self.bm.page_table_view(req.request_id), np.int32)
+        pos = np.arange(n)
+        return self.features[table[pos // ps].astype(np.int64) * ps + pos % ps]
+
+    def __call__(self, req: Request, k: int) -> list[int]:
+        n = req.num_computed_tokens
+        if n + self.drafter.block_size > self.max_model_len or k < 1:
+            return []
+        pending = req.token_slice(n, 1)[0]
+        return self.drafter.propose(self.context_features(req), pending)[:k].tolist()
+
+
+def build_dflash_proposer(spec: SpeculativeConfig, target: ModelConfig, executor: Any,
+                          block_manager: Any, max_model_len: int) -> DFlashProposer:
+    """Load ``spec.model`` (checked against ``target``), turn on the executor's hidden-state
+    capture of the drafter's target layers and return the proposer. The drafter borrows the
+    target's embedding and lm_head from the executor's reference model (numpy backend)."""
+    from engine.model.dflash import DFlashDrafter, load_drafter
+
+    enable, model = getattr(executor, "enable_capture", None), getattr(executor, "model", None)
+    if enable is None or model is None:
+        raise ConfigError("speculative_config.method 'dflash' runs on the numpy backend so far; "
+                          "use --backend numpy")
+    assert spec.model is not None
+    ckpt = load_drafter(spec.model, target)
+    store = enable(ckpt.config.target_layer_ids)
+    drafter = DFlashDrafter(ckpt, model.embed, model.lm_head, target.rope_scaling)
+    return DFlashProposer(drafter, store, block_manager, executor.page_size, max_model_len)

@@ -50,7 +50,7 @@ def test_accept_is_the_longest_matching_prefix() -> None:
 
 
 @pytest.mark.parametrize("value,field", [
-    ("{", "JSON object"), ({"method": "dflash"}, "not built yet"),
+    ("{", "JSON object"), ({"method": "dflash"}, "speculative_config.model is required"),
     ({"method": "medusa"}, "method must be one of"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"num_speculative_tokens": 99}, "num_speculative_tokens must be <="),

@@ -1,6 +1,7 @@
 """Write a complete Hugging Face-format checkpoint with seeded random bf16 weights (numpy only).
 
     python -m tools.make_checkpoint --preset qwen3-0.6b --out /tmp/qwen3-0.6b [--tokenizer]
+    python -m tools.make_checkpoint --preset qwen3-8b-dflash --out /tmp/qwen3-8b-dflash
 
 The command line of ``engine.model.synthetic`` (presets, weights and the writer live there).
 """
@@ -11,13 +12,15 @@ import argparse
 import sys
 
 from engine.cli import configure_logging
-from engine.model.synthetic import PRESETS, write_checkpoint
+from engine.model.synthetic import DFLASH_PRESETS, PRESETS, write_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    ap.add_argument("--preset", required=True, choices=sorted({**PRESETS, **DFLASH_PRESETS}),
+                    help="a target model, or a DFlash drafter (*-dflash: config.json and "
+                    "the draft body, no embed_tokens / lm_head)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--config-form", type=int, default=4, choices=(4, 5),

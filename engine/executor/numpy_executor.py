@@ -3,6 +3,13 @@
 KV pages use the GPU layout (``[num_pages, num_kv_heads, page_size, head_dim]`` per layer, K and
 V apart) but hold float32: this backend is the oracle, so it keeps the reference model's float32
 math end to end. Attention reads each sequence's KV through its row of the page-index table.
+
+Hidden-state capture (a DFlash drafter, engine/model/dflash.py): after ``enable_capture(ids)``
+every step writes the residual stream leaving each layer of ``ids`` (HF ``hidden_states[L + 1]``:
+x after layer L's attention and MLP) of every token it computes into ``capture[slot]``, the
+token's KV slot, ``[num_pages * page_size, len(ids) * hidden]`` float32. The features thus live
+in the paged pool beside the KV: a cached page's features are a function of its prefix, as its KV
+is, and a rolled-back slot is overwritten by whichever token takes it next.
 """
 
 from __future__ import annotations
@@ -27,11 +34,25 @@ class NumpyExecutor(Executor):
         self.k_cache = [np.zeros(shape, F32) for _ in range(cfg.num_hidden_layers)]
         self.v_cache = [np.zeros(shape, F32) for _ in range(cfg.num_hidden_layers)]
         self.slots = SlotState(cfg.vocab_size)  # logits processors' per-request state
+        self.capture: np.ndarray | None = None  # per-slot target features (enable_capture)
+        self.capture_layers: dict[int, int] = {}  # layer -> its column block in capture
 
     @staticmethod
-    def bytes_per_page(ckpt: Checkpoint, page_size: int) -> int:
+    def bytes_per_page(ckpt: Checkpoint, page_size: int, capture_width: int = 0) -> int:
+        """KV bytes of one page, plus ``capture_width`` float32 features per slot."""
         c = ckpt.config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * page_size * c.head_dim * 4
+        kv = 2 * c.num_hidden_layers * c.num_key_value_heads * page_size * c.head_dim * 4
+        return kv + page_size * capture_width * 4
+
+    def enable_capture(self, layer_ids: tuple[int, ...] | list[int]) -> np.ndarray:
+        """From now on capture the output of layers ``layer_ids`` (in that order) at every
+        computed token's slot; returns the store ``[num_pages * page_size, n * hidden]``."""
+        n, h = self.config.num_hidden_layers, self.config.hidden_size
+        if not layer_ids or any(not 0 <= li < n for li in layer_ids):
+            raise ExecutorError(f"capture layers {list(layer_ids)} outside 0..{n - 1}")
+        self.capture_layers = {li: j for j, li in enumerate(layer_ids)}
+        self.capture = np.zeros((self.num_pages * self.page_size, len(layer_ids) * h), F32)
+        return self.capture
 
     def _check(self, b: StepBatch) -> None:
         check_batch(b, self.num_pages, self.page_size, self.config.vocab_size)
@@ -64,9 +85,13 @@ class NumpyExecutor(Executor):
         self._check(b)
         m = self.model
         x = m.embed[b.input_ids]
+        cap, h = self.capture_layers, self.config.hidden_size
         for li in range(self.config.num_hidden_layers):
             q, k, v = m.qkv(li, x, b.positions)
             x = m.attn_out_and_mlp(li, x, self.attend(li, q, k, v, b))
+            j = cap.get(li)
+            if j is not None:
+                self.capture[b.slot_mapping, j * h:(j + 1) * h] = x  # type: ignore[index]
             self.heartbeat += 1
         return x
 

@@ -54,7 +54,14 @@ def create_executor(backend: str, ckpt: Checkpoint, config: EngineConfig
         n = config.num_gpu_blocks_override
         if n is None:
             per_seq = config.max_pages_per_seq
-            fit = max(1, NUMPY_KV_BYTES // NumpyExecutor.bytes_per_page(ckpt, config.block_size))
+            width = 0  # a DFlash drafter's captured features live beside the KV (per slot)
+            spec = config.speculative_config
+            if spec is not None and spec.method == "dflash":
+                from engine.model.dflash import DFlashConfig
+
+                width = DFlashConfig.from_pretrained(spec.model).capture_width
+            fit = max(1, NUMPY_KV_BYTES // NumpyExecutor.bytes_per_page(
+                ckpt, config.block_size, width))
             want = config.max_num_seqs * per_seq + 1
             n = max(min(config.cpu_kv_pages, want, fit), min(per_seq + 1, fit), 2)
         if config.tensor_parallel_size > 1:  # the sharded forward, simulated on the CPU

@@ -215,8 +215,11 @@ class ReferenceModel:
         return np.matmul(h, self.lm_head.T, dtype=F32)
 
     # -- whole sequence --------------------------------------------------------------------------
-    def forward(self, token_ids: list[int] | np.ndarray) -> np.ndarray:
-        """Logits [T, vocab] (float32) for one sequence starting at position 0."""
+    def forward(self, token_ids: list[int] | np.ndarray,
+                layer_outputs: list[np.ndarray] | None = None) -> np.ndarray:
+        """Logits [T, vocab] (float32) for one sequence starting at position 0.
+        ``layer_outputs``: gets each layer's output residual stream [T, hidden] appended (HF
+        ``hidden_states[1:]``; what a DFlash drafter reads)."""
         ids = np.asarray(token_ids, dtype=np.int64)
         pos = np.arange(ids.shape[0])
         x = self.embed[ids]
@@ -224,4 +227,6 @@ class ReferenceModel:
             q, k, v = self.qkv(li, x, pos)
             a = attention(q, k, v, pos, self.scale)
             x = self.attn_out_and_mlp(li, x, a)
+            if layer_outputs is not None:
+                layer_outputs.append(x)
         return self.logits(x)

@@ -138,6 +138,12 @@ def write_checkpoint(out: str | Path, preset: str, *, seed: int = 0, form: int =
                      overrides: dict | None = None, quiet: bool = False) -> Path:
     """Write config.json, generation_config.json, safetensors shards (+ index when more than
     one) and optionally the real Qwen3 tokenizer files. Returns the directory."""
+    if preset in DFLASH_PRESETS:
+        if tokenizer:
+            raise ValueError(f"preset {preset} is a DFlash drafter: it uses its target's "
+                             "tokenizer (write none)")
+        return write_drafter_checkpoint(out, preset, seed=seed, max_shard_bytes=max_shard_bytes,
+                                        overrides=overrides, quiet=quiet)
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     cfg_dict = hf_config(preset, form, overrides)
@@ -147,7 +153,27 @@ def write_checkpoint(out: str | Path, preset: str, *, seed: int = 0, form: int =
            "eos_token_id": cfg_dict.get("eos_token_id"), "do_sample": False}
     (d / "generation_config.json").write_text(json.dumps(gen, indent=2))
     weights = make_weights(cfg, seed)
-    # shard greedily in spec order
+    shards = _save_shards(d, weights, max_shard_bytes)
+    if tokenizer:
+        if cfg.vocab_size < 151669:
+            raise ValueError(f"preset {preset} has vocab {cfg.vocab_size}: the Qwen3 tokenizer "
+                             "needs the real vocab (151936)")
+        from engine.model.fetch import qwen3_tokenizer_dir
+
+        src = qwen3_tokenizer_dir()
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / f, d / f)
+    if not quiet:
+        gb = sum(a.nbytes for a in weights.values()) / 1e9
+        log.info("wrote %s (%.3f B params, %.2f GB, %d shard(s)) to %s", preset,
+                 cfg.num_parameters / 1e9, gb, len(shards), d)
+    return d
+
+
+def _save_shards(d: Path, weights: dict[str, np.ndarray],
+                 max_shard_bytes: int) -> list[dict[str, np.ndarray]]:
+    """Write ``weights`` as model.safetensors, or as shards (greedily, in order) plus the
+    index when they exceed ``max_shard_bytes``; older model files in ``d`` are removed."""
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, a in weights.items():
@@ -170,17 +196,58 @@ def write_checkpoint(out: str | Path, preset: str, *, seed: int = 0, form: int =
         total = sum(a.nbytes for a in weights.values())
         (d / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    if tokenizer:
-        if cfg.vocab_size < 151669:
-            raise ValueError(f"preset {preset} has vocab {cfg.vocab_size}: the Qwen3 tokenizer "
-                             "needs the real vocab (151936)")
-        from engine.model.fetch import qwen3_tokenizer_dir
+    return shards
 
-        src = qwen3_tokenizer_dir()
-        for f in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(src / f, d / f)
+
+# DFlash drafters (engine/model/dflash.py) at the z-lab b16 checkpoints' shapes (DFLASH.md 2.1-2.2:
+# no embed_tokens / lm_head, they borrow the target's), and a tiny one for the tiny-qwen3 target
+_DFLASH_QWEN3 = dict(num_hidden_layers=5, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, block_size=16, num_target_layers=36,
+                     mask_token_id=151669, target_layer_ids=[1, 9, 17, 25, 33])
+DFLASH_PRESETS: dict[str, dict] = {
+    "qwen3-8b-dflash": {**_DFLASH_QWEN3, "hidden_size": 4096, "intermediate_size": 12288},
+    "qwen3-4b-dflash": {**_DFLASH_QWEN3, "hidden_size": 2560, "intermediate_size": 9728},
+    # for tiny-qwen3 (2 layers, vocab 1024): both its layers captured, the last id the mask
+    "tiny-qwen3-dflash": {**_DFLASH_QWEN3, "num_hidden_layers": 2, "hidden_size": 128,
+                          "intermediate_size": 256, "num_attention_heads": 4,
+                          "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
+                          "max_position_embeddings": 4096, "num_target_layers": 2,
+                          "mask_token_id": 1023, "target_layer_ids": [0, 1]},
+}
+
+
+def drafter_config(preset: str, overrides: dict | None = None) -> dict:
+    """The drafter preset's config.json dict (DFLASH.md 2.1)."""
+    from engine.model.dflash import hf_drafter_config
+
+    return hf_drafter_config({**DFLASH_PRESETS[preset], **(overrides or {})})
+
+
+def make_drafter_weights(cfg_dict: dict, seed: int) -> dict[str, np.ndarray]:
+    """Seeded random bf16 drafter weights, scaled as ``make_weights`` scales a target's."""
+    from engine.model.dflash import DFlashConfig, expected_tensors
+
+    out = {}
+    for name, shape in expected_tensors(DFlashConfig.from_dict(cfg_dict)).items():
+        s = _seed_for(seed, "dflash:" + name)
+        out[name] = (norm_weight(shape, s) if name.endswith("norm.weight")
+                     else random_bf16(shape, 1.0 / math.sqrt(shape[1]), s))
+    return out
+
+
+def write_drafter_checkpoint(out: str | Path, preset: str, *, seed: int = 0,
+                             max_shard_bytes: int = 2 << 30, overrides: dict | None = None,
+                             quiet: bool = False) -> Path:
+    """Write a DFlash drafter preset: config.json and its safetensors (DFLASH.md 2.2 names)."""
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg_dict = drafter_config(preset, overrides)
+    (d / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    weights = make_drafter_weights(cfg_dict, seed)
+    shards = _save_shards(d, weights, max_shard_bytes)
     if not quiet:
-        gb = sum(a.nbytes for a in weights.values()) / 1e9
-        log.info("wrote %s (%.3f B params, %.2f GB, %d shard(s)) to %s", preset,
-                 cfg.num_parameters / 1e9, gb, len(shards), d)
+        n = sum(a.size for a in weights.values())
+        log.info("wrote %s (%.3f B params, %.2f GB, %d shard(s)) to %s", preset, n / 1e9,
+                 2 * n / 1e9, len(shards), d)
     return d
