@@ -78,6 +78,10 @@ class SchedulerOutput:
         return sum([s.num_new for s in self.seqs])
 
 
+def _not_one_token(s: ScheduledRequest) -> bool:
+    return s.num_new != 1
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -141,6 +145,10 @@ class Scheduler:
                     f"({self.bm.num_pages} pages of {self.config.block_size})"))
                 return SchedulerOutput((), tuple(preempted), refused=(req,))
             return SchedulerOutput((), tuple(preempted))
+        if any(s.num_new != 1 for s in seqs):
+            # one-token (decode) rows first: a mixed step's executor runs them through the
+            # decode attention kernel and the rest through the prefill one (a stable sort)
+            seqs.sort(key=_not_one_token)
         error = None
         try:  # the by-reference page total of the step must fit the page-index buffer
             self.bm.check_step_refs([s.request.request_id for s in seqs],

@@ -42,8 +42,9 @@ declare -A G=(
   [upload]="tests/gpu/test_weight_upload.py tests/gpu/test_staged_inputs.py"
   [logits]="tests/gpu/test_logits_process.py"
   [spec]="tests/gpu/test_speculative.py"
+  [mixed]="tests/gpu/test_mixed_steps.py"
 )
-TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec"}
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec mixed"}
 for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \

@@ -224,13 +224,20 @@ class CudaExecutor(Executor):
         buf.steps.upload(p(b.sample_steps, 0), st)
 
     def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
-                num_splits: int, tile_as: int | None = None) -> None:
+                num_splits: int, tile_as: int | None = None, decode_rows: int = 0) -> None:
         """All layers and the final norm over the static buffers (eager, or under capture).
         ``tile_as``: the GEMMs run the kernels of a ``tile_as``-row call (verify rows,
-        ``verify_body``)."""
+        ``verify_body``). ``decode_rows`` (a mixed step, not ``decode``; ``stage_mixed`` first):
+        its first sequences are that many one-token rows, whose attention runs in the decode
+        kernel (at the split-KV factor of a decode step of that many rows); the prefill kernel
+        takes the other sequences (token rows stay absolute)."""
         k, buf, w, st, mc = self.kernels, self.buf, self.weights, self.stream, self.mc
         t, eps = num_tokens, mc.rms_norm_eps
         pps = self.sizes.pages_per_seq
+        d = decode_rows if not decode and 0 < decode_rows < num_seqs else 0
+        d_splits = self.decode_splits(d) if d else 1
+        cu, ctx, table = ((buf.pre_cu_seqlens, buf.pre_context_lens, buf.pre_page_indices) if d
+                          else (buf.cu_seqlens, buf.context_lens, buf.page_indices))
         k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
         for li, lw in enumerate(w.layers):
             if li == 0:
@@ -246,9 +253,12 @@ class CudaExecutor(Executor):
                          buf.context_lens, buf.attn, buf.workspace, num_seqs, pps, num_splits,
                          self.scale, st)
             else:
-                k.prefill(buf.q, self.k_cache[li], self.v_cache[li], buf.cu_seqlens,
-                          buf.context_lens, buf.page_indices, buf.attn, t, num_seqs, pps,
-                          max_q_len, self.scale, st)
+                if d:
+                    k.decode(buf.q, self.k_cache[li], self.v_cache[li], buf.page_indices,
+                             buf.context_lens, buf.attn, buf.workspace, d, pps, d_splits,
+                             self.scale, st)
+                k.prefill(buf.q, self.k_cache[li], self.v_cache[li], cu, ctx, table, buf.attn,
+                          t, num_seqs - d, pps, max_q_len, self.scale, st)
             k.o(buf.attn, lw["o"], buf.delta, t, st, tile_as)
             k.add_norm(buf.delta, buf.resid, lw["post_norm"], buf.h, t, eps, st)
             k.gate_up(buf.h, lw["gate_up"], buf.gate_up, t, st, tile_as)
@@ -403,7 +413,9 @@ class CudaExecutor(Executor):
         else:
             if b.num_tokens:
                 self.upload(b)
-                self.forward(b.num_tokens, b.num_seqs, False, int(b.query_lens.max()), 1)
+                ones = self.stage_mixed(b)
+                self.forward(b.num_tokens, b.num_seqs, False, int(b.query_lens.max()), 1,
+                             decode_rows=ones)
             if s_rows:
                 self.upload_sampling(b)
                 self.logits(b.num_tokens, 0, s_rows)
@@ -420,6 +432,25 @@ class CudaExecutor(Executor):
             lp = self._logprobs(s_rows, tokens, int(b.num_logprobs.max()))
         plp = self._prompt_logprobs(b) if p_rows else None
         return StepOutput(sampled=tokens, logprobs=lp, prompt_logprobs=plp, graph=graph)
+
+    def stage_mixed(self, b: StepBatch) -> int:
+        """A multi-token step whose first sequences are one-token (decode) rows (the scheduler
+        puts them first): upload the other sequences' cu_seqlens, context lengths and page rows
+        to the prefill part's own buffers. Returns how many leading one-token rows the forward
+        runs in the decode kernel (0: none, or every row, or no sequence after them)."""
+        q = b.query_lens
+        more = q != 1
+        if not more.any():
+            return 0
+        d = int(np.argmax(more))
+        if d == 0:
+            return 0
+        buf, st = self.buf, self.stream
+        buf.pre_cu_seqlens.upload(np.ascontiguousarray(b.cu_seqlens_q[d:]), st)
+        buf.pre_context_lens.upload(np.ascontiguousarray(b.context_lens[d:]), st)
+        buf.pre_page_indices.upload_rows(b.page_indices[d:].astype(np.int32, copy=False),
+                                         self.sizes.pages_per_seq * 4, st)
+        return d
 
     def _verify(self, rows: StepBatch, num_seqs: int) -> tuple[np.ndarray, bool]:
         """Run ``verify_rows``' step: its bucket's verify graph when one holds its rows, else

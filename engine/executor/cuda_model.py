@@ -386,6 +386,12 @@ class StepBuffers:
         self.rows = a((r, h), BF16, "rows")
         self.logits = a((r, p.vocab), np.float32, "logits")  # columns past vocab_size: unread
         self.workspace = a(max(workspace // 4, 1), np.float32, "attn_workspace")
+        # a mixed step's prefill sequences, from offset 0 (CudaExecutor.stage_mixed: its
+        # one-token rows run in the decode kernel, the rest in the prefill kernel, whose
+        # per-sequence arrays must start 16-byte aligned)
+        self.pre_cu_seqlens = a(b + 1, np.int32, "pre_cu_seqlens")
+        self.pre_context_lens = a(b, np.int32, "pre_context_lens")
+        self.pre_page_indices = a((b, s.pages_per_seq), np.int32, "pre_page_indices")
         cs = cos_sin_table(s.max_pos, mc.head_dim, mc.rope_theta, mc.rope_scaling)
         self.cos_sin = a(cs.shape, np.float32, "cos_sin")
         self.cos_sin.upload(cs, stream)
