@@ -388,6 +388,7 @@ class EngineConfig:
     cuda_graph_max_bs: int | None  # None: graphs.buckets.DEFAULT_MAX
     lazy_graph_capture: bool
     prompt_logprobs_prefix_cache: bool
+    async_scheduling: bool = True  # plan decode step N+1 while the GPU runs step N
 
     def check_kv_capacity(self, num_usable_pages: int) -> None:
         """Refuse a KV pool that cannot hold one request of max_model_len (vLLM refuses it at

@@ -36,7 +36,7 @@ from engine.request import FinishReason, Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import build_dflash_proposer
-from engine.step import build_batch
+from engine.step import StepOutput, build_batch
 from engine.tokenizer import Tokenizer
 
 __all__ = ["LLMEngine", "RequestError", "check_text"]
@@ -161,6 +161,10 @@ class LLMEngine(OutputViews):
         self.stats = StepStats()
         # test-only hook: called with the step's SchedulerOutput before it runs; raising fails it
         self.fault_hook: Callable[[SchedulerOutput], None] | None = None
+        # async scheduling: the step in flight (SchedulerOutput, handle, failure), completed by
+        # the next step() call
+        self.async_scheduling = bool(cfg.async_scheduling)
+        self._pending: tuple[SchedulerOutput, Any, Any] | None = None
         trace = envs.step_trace_path()  # one line per step (CUTEINFER_STEP_TRACE), or None
         self._trace = None if trace is None else open(trace, "a", buffering=1 << 16)  # noqa: SIM115
         self._marks: list[float] = []
@@ -195,7 +199,7 @@ class LLMEngine(OutputViews):
         return self.block_manager.num_pages
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self._pending is not None or self.scheduler.has_work()
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -219,26 +223,86 @@ class LLMEngine(OutputViews):
             self._marks.append(time.perf_counter())
 
     def _step(self) -> list[Request]:
+        if self._pending is not None:
+            return self._step_pipelined()
         out = self.scheduler.schedule()
         self._mark()
         if not out.seqs:
             return list(out.refused)
-        error, rows = out.error, None
-        if error is None:
-            try:
-                if self.fault_hook is not None:
-                    self.fault_hook(out)
-                batch = build_batch(out, self.processors)
-                self._mark()
-                step = self.executor.execute(batch)
-                self._mark()
-            except Exception as e:  # fail this step's requests (or rows) only; keep serving
-                rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
-                error = f"{type(e).__name__}: {e}"
-        if error is not None:
+        handle, failure = self._launch(out)
+        if (self.async_scheduling and failure is None
+                and all(s.num_new == 1 and s.sample for s in out.seqs)):
+            self._pending = (out, handle, None)  # completed by the next step(), overlapped
+            return list(out.refused)
+        return self._complete(out, handle, failure)
+
+    def _launch(self, out: SchedulerOutput, src_rows: np.ndarray | None = None
+                ) -> tuple[Any, tuple[set[int] | None, str] | None]:
+        """Build and launch a step: (handle, None), or (None, (rows, error)) when it cannot
+        run (its requests, or those rows, fail; the engine serves on)."""
+        if out.error is not None:
+            return None, (None, out.error)
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook(out)
+            batch = build_batch(out, self.processors)
+            self._mark()
+            handle = self.executor.launch(batch, src_rows)
+            self._mark()
+            return handle, None
+        except Exception as e:  # fail this step's requests (or rows) only; keep serving
+            rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
+            return None, (rows, f"{type(e).__name__}: {e}")
+
+    def _finish(self, handle: Any, failure: tuple[set[int] | None, str] | None
+                ) -> tuple[StepOutput | None, tuple[set[int] | None, str] | None]:
+        if failure is not None:
+            return None, failure
+        try:
+            return self.executor.finish(handle), None
+        except Exception as e:
+            return None, (None, f"{type(e).__name__}: {e}")
+
+    def _step_pipelined(self) -> list[Request]:
+        """Async scheduling: plan and launch the step after the one in flight (its input
+        tokens come from that step's samples on the device), then complete the one in flight
+        while the GPU runs the next. A step that is not a plain decode continuation (admissions,
+        prefills, a failure) ends the pipeline: the next call plans normally."""
+        assert self._pending is not None
+        out, handle, failure = self._pending
+        self._pending = None
+        nxt = self.scheduler.schedule_continuation(out) if failure is None else None
+        self._mark()
+        launched = None
+        if nxt is not None:
+            row = {id(s.request): i for i, s in enumerate(out.seqs)}
+            src = np.array([row[id(s.request)] for s in nxt.seqs], np.int64)
+            launched = self._launch(nxt, src)
+        step, failure = self._finish(handle, failure)
+        if failure is not None and nxt is not None:
+            # the next step's inputs are not valid: discard it, give its slots back first
+            self._finish(*launched)
+            self.scheduler.fail_step(nxt, set(), "the step before it failed")
+            nxt = None
+        changed = self._complete(out, step, failure, finished=True)
+        if nxt is not None:
+            self._pending = (nxt, *launched)
+        return changed
+
+    def _complete(self, out: SchedulerOutput, handle: Any,
+                  failure: tuple[set[int] | None, str] | None,
+                  finished: bool = False) -> list[Request]:
+        """Wait for a launched step (``finished``: ``handle`` is its output already) and
+        commit its results: tokens, finishes, outputs; or fail it."""
+        step = handle
+        if not finished:
+            step, failure = self._finish(handle, failure)
+        if failure is not None:
+            rows, error = failure
             self.stats.failed_steps += 1
             self.processors.step_failed(out)  # device slot state is rebuilt on next use
             return self.scheduler.fail_step(out, rows, error)
+        assert step is not None
         self.stats.steps += 1
         self.stats.tokens += out.num_tokens
         self.stats.graph_steps += int(step.graph)

@@ -157,6 +157,50 @@ class Scheduler:
             error = f"{type(e).__name__}: {e}"
         return SchedulerOutput(tuple(seqs), tuple(preempted), error=error)
 
+    def schedule_continuation(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling: the decode step after ``prev``, planned before ``prev``'s tokens
+        are known. Each request of ``prev`` decodes one more token (its input: the token
+        ``prev`` samples for it, taken on the device), so it must be a plain decode row that
+        stays running whatever ``prev`` samples -- except for a stop token or EOS, found one
+        step late (that request's extra row is dropped, ``update_from_output``). None when the
+        next step is anything else (admissions, prefills, speculation, logprobs, logits
+        processors, a pool that is full): the engine then finishes ``prev`` and plans normally."""
+        cfg, bm = self.config, self.bm
+        if self.waiting and len(self.running) < cfg.max_num_seqs:
+            return None  # admissions to plan
+        if self.spec is not None and len(self.running) < self.spec.disable_by_batch_size:
+            return None
+        if len(prev.seqs) != len(self.running):
+            return None
+        seqs: list[ScheduledRequest] = []
+        for s in prev.seqs:
+            req = s.request
+            if (s.num_new != 1 or not s.sample or s.drafts or req.is_finished
+                    or req.procs is not None or req.params.logprobs is not None):
+                return self._undo(seqs)
+            # after prev the request holds len(output) + 1 tokens; one more must be allowed
+            if (len(req.output_token_ids) + 2 > req.max_output_tokens
+                    or s.start + 2 > cfg.max_model_len):
+                continue  # prev's token is its last: it finishes then
+            try:
+                slots = bm.append_slots(req.request_id, 1)
+            except OutOfPagesError:
+                return self._undo(seqs)
+            seqs.append(ScheduledRequest(req, s.start + 1, 1, slots, True,
+                                         bm.page_table_view(req.request_id)))
+        if not seqs:
+            return None
+        try:
+            bm.check_step_refs([s.request.request_id for s in seqs], cfg.max_num_seqs,
+                               cfg.max_model_len)
+        except PageRefOverflowError:
+            return self._undo(seqs)
+        return SchedulerOutput(tuple(seqs))
+
+    def _undo(self, seqs: list[ScheduledRequest]) -> None:
+        for s in seqs:
+            self.bm.rollback(s.request.request_id, 1, s.start)
+
     def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
@@ -312,6 +356,9 @@ class Scheduler:
         for s in out.seqs:
             req = s.request
             start = s.start
+            if req.is_finished:  # (async scheduling: it stopped on the step before this one)
+                row += s.sample + len(s.drafts)
+                continue
             if s.drafts:  # a speculative span: rows row .. row + len(drafts)
                 self._update_spec(s, sampled[row:row + 1 + len(s.drafts)], now, changed)
                 row += 1 + len(s.drafts)

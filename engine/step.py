@@ -191,8 +191,13 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
         req, start, n = s.request, s.start, s.num_new
         if n == 1:  # index the one token: no slice, no list
             prompt = req.prompt_token_ids
-            ids.append(prompt[start] if start < len(prompt)
-                       else req.output_token_ids[start - len(prompt)])
+            if start < len(prompt):
+                ids.append(prompt[start])
+            elif start - len(prompt) < len(req.output_token_ids):
+                ids.append(req.output_token_ids[start - len(prompt)])
+            else:  # async scheduling: the token the step in flight samples (on the device)
+                ids.append(0)
+                step_add.append((len(sample_reqs), 1))  # (its sample row is appended below)
             slots.append(s.slots[0])
         elif s.drafts:  # [pending, *drafts]: the drafts are not the request's tokens yet
             decode = False

@@ -15,6 +15,9 @@ request; graph padding rows read it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
+
+import numpy as np
 
 from engine.step import StepBatch, StepOutput
 
@@ -31,9 +34,26 @@ class Executor(ABC):
     # Progress counter, bumped at least once per layer of a forward (numpy) and once per step:
     # the server's watchdog judges liveness by it, so a long but moving step is never "dead".
     heartbeat: int = 0
+    _last_sampled: np.ndarray = np.zeros(0, np.int32)  # the last launched step's tokens
 
     @abstractmethod
     def execute(self, batch: StepBatch) -> StepOutput: ...
+
+    # -- async scheduling (engine/engine.py): a step launched before the previous one's tokens
+    # are on the host; ``finish`` returns its output
+    def launch(self, batch: StepBatch, src_rows: np.ndarray | None = None) -> Any:
+        """Start a step; ``finish(handle)`` waits for its output. ``src_rows``: row i's input
+        token is the token the previously launched step sampled at its row ``src_rows[i]``
+        (-1: ``batch.input_ids[i]`` as given). This default runs the step now."""
+        if src_rows is not None:
+            take = src_rows >= 0
+            batch.input_ids[take] = self._last_sampled[src_rows[take]]
+        out = self.execute(batch)
+        self._last_sampled = out.sampled
+        return out
+
+    def finish(self, handle: Any) -> StepOutput:
+        return handle
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         pass

@@ -15,11 +15,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.cuda.driver import Arena, Context, Stream
+from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream, check
 from engine.executor.base import Executor, ExecutorError
 from engine.executor.cuda_model import (
     BF16,
@@ -38,6 +39,44 @@ from graphs.buckets import bucket_for, bucket_sizes
 from graphs.runner import DecodePlan, GraphRunner
 
 log = logging.getLogger(__name__)
+
+
+class _Done:
+    """A launched step that ran at once (``CudaExecutor.launch``)."""
+
+    __slots__ = ("out",)
+
+    def __init__(self, out: StepOutput) -> None:
+        self.out = out
+
+
+class _InFlight:
+    """A launched graph step: its samples land in ``tokens`` (pinned) once ``event`` fires."""
+
+    __slots__ = ("tokens", "event")
+
+    def __init__(self, tokens: np.ndarray, event: Event) -> None:
+        self.tokens, self.event = tokens, event
+
+
+def _copy_runs(src_ptr: int, dst_ptr: int, src_rows: np.ndarray, stream: Stream) -> None:
+    """dst[i] = src[src_rows[i]] (int32) for every i with src_rows[i] >= 0, as one device copy
+    per run of consecutive rows (a batch that keeps its order is one run)."""
+    from engine.cuda.driver import _cu
+
+    cu = _cu()
+    i, n = 0, src_rows.shape[0]
+    rows = src_rows.tolist()
+    while i < n:
+        if rows[i] < 0:
+            i += 1
+            continue
+        j = i + 1
+        while j < n and rows[j] == rows[j - 1] + 1:
+            j += 1
+        check(cu.cuMemcpyDtoDAsync(dst_ptr + 4 * i, src_ptr + 4 * rows[i], 4 * (j - i),
+                                   stream.handle), "cuMemcpyDtoDAsync")
+        i = j
 
 
 class CudaExecutor(Executor):
@@ -70,6 +109,10 @@ class CudaExecutor(Executor):
         # per bucket of sequences that speculate (speculative_config): a verify step of
         # bucket x (k + 1) rows (verify_body)
         self.verify: GraphRunner | None = None
+        self._inflight: _Done | _InFlight | None = None  # the last launched step (launch)
+        self._pinned: list[PinnedBuffer] | None = None  # its samples, double-buffered
+        self._events: list[Event] = []
+        self._flip = 0
         self.graph_stats: dict[str, float] = {}
         if not config.enforce_eager:
             self.graphs = self.graph_runner()
@@ -470,6 +513,64 @@ class CudaExecutor(Executor):
         self.verify_body(n, num_seqs)
         return self._sampled(rows, n), False
 
+    # -- async scheduling ------------------------------------------------------------------------
+    def launch(self, b: StepBatch, src_rows: np.ndarray | None = None) -> Any:
+        """A decode step that replays its bucket's graph is enqueued and left running: its
+        input tokens of ``src_rows`` are copied on the device from the previous step's samples
+        (runs of rows, one copy each), its samples go to a pinned buffer behind an event
+        (``finish`` waits). Any other step runs now (``execute``; a continuation's tokens are
+        then taken from the previous step's output on the host)."""
+        buf, st = self.buf, self.stream
+        n = b.num_seqs
+        g = self.graphs
+        # (a bucket still to capture lazily runs synchronously: its warm-up step would
+        # overwrite the previous step's samples before they are copied)
+        if not (self._async_ok(b) and g is not None and g.plan.bucket(n) in g.graphs):
+            if src_rows is not None:
+                prev = self._last_tokens()
+                take = src_rows >= 0
+                b.input_ids[take] = prev[src_rows[take]]
+            out = self.execute(b)
+            self._inflight = _Done(out)
+            return self._inflight
+        self._check(b)
+        bucket = self.graphs.pad(n)
+        self.upload(b, pad_to=bucket)
+        if src_rows is not None:
+            _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, src_rows, st)
+        self.upload_sampling(b, pad_to=bucket)
+        self.graphs.replay(bucket)
+        if self._pinned is None:
+            self._pinned = [PinnedBuffer(self.sizes.logit_rows, np.int32) for _ in range(2)]
+            self._events = [Event(timing=False) for _ in range(2)]
+        k = self._flip
+        self._flip ^= 1
+        out = self._pinned[k].array[:n]
+        buf.sampled.download(out, st)
+        self._events[k].record(st)
+        self._inflight = _InFlight(out, self._events[k])
+        return self._inflight
+
+    def finish(self, handle: Any) -> StepOutput:
+        if isinstance(handle, _Done):
+            return handle.out
+        handle.event.synchronize()
+        return StepOutput(sampled=handle.tokens.copy(), graph=True)
+
+    def _last_tokens(self) -> np.ndarray:
+        """The tokens of the last launched step (waits for it)."""
+        h = self._inflight
+        if h is None:
+            raise ExecutorError("a continuation step without a launched step before it")
+        return h.out.sampled if isinstance(h, _Done) else (h.event.synchronize(), h.tokens)[1]
+
+    @staticmethod
+    def _async_ok(b: StepBatch) -> bool:
+        """A step the async path launches: a decode step sampling every row, without logits
+        processors or logprobs (those run through ``execute``)."""
+        return (b.is_decode and b.sample_token_idx.shape[0] == b.num_seqs and b.procs is None
+                and not (b.num_logprobs >= 0).any())
+
     # -- sampling and logprobs -------------------------------------------------------------------
     def _sampled(self, b: StepBatch, n: int) -> np.ndarray:
         """Download the ids the GPU sampler drew (rows ``0..n-1``)."""
@@ -505,6 +606,9 @@ class CudaExecutor(Executor):
 
     def shutdown(self) -> None:
         self.stream.synchronize()
+        for p in self._pinned or []:
+            p.close()
+        self._pinned = None
         if self.staged is not None:
             self.staged.close()
             self.staged = None

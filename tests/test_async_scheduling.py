@@ -1,0 +1,236 @@
+"""Async scheduling (``async_scheduling``, engine/engine.py ``_step_pipelined``): the decode step
+after the one in flight is planned and launched before that one's tokens reach the host (its
+input tokens are the previous samples, taken by the executor), and the host's bookkeeping of a
+step overlaps the next. Outputs must equal synchronous scheduling's token for token, text and
+finish reasons included, whatever stops a request (a stop token, EOS, a stop string, the length,
+an abort, a failed step), with preemption, prefix caching and chunked prefill, and leave no page
+behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from engine.model.synthetic import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("async") / "m", "tiny-qwen3", seed=5,
+                            quiet=True)
+
+
+def _counting(llm: LLM) -> list[int]:
+    """[continuations planned, pipeline ends] of ``llm``'s scheduler from now on."""
+    sched = llm.engine.scheduler
+    plan = sched.schedule_continuation
+    seen = [0, 0]
+
+    def spy(out):
+        r = plan(out)
+        seen[r is None] += 1
+        return r
+
+    sched.schedule_continuation = spy
+    return seen
+
+
+def _workload(rng: np.random.Generator, n: int, sync_only: bool = True):
+    """Random prompts and params; ``sync_only``: some requests want logprobs or a logits
+    processor (their steps run synchronously: a batch holding one never pipelines)."""
+    prompts, params = [], []
+    for _ in range(n):
+        if rng.random() < 0.4:
+            prompts.append(rng.integers(5, 300, int(rng.integers(2, 7))).tolist()
+                           * int(rng.integers(2, 6)))
+        else:
+            prompts.append(rng.integers(5, 300, int(rng.integers(1, 60))).tolist())
+        kw: dict = {"max_tokens": int(rng.integers(1, 48)), "ignore_eos": bool(rng.random() < 0.6)}
+        if rng.random() < 0.5:
+            kw.update(temperature=float(rng.uniform(0.3, 1.2)), top_k=int(rng.integers(0, 30)),
+                      seed=int(rng.integers(1 << 30)))
+        else:
+            kw["temperature"] = 0.0
+        if rng.random() < 0.3:
+            kw["stop_token_ids"] = rng.integers(5, 300, 4).tolist()
+        if rng.random() < 0.15:
+            kw["stop"] = ["a", "e"]
+        if sync_only and rng.random() < 0.1:
+            kw["logprobs"] = 2  # decodes synchronously (the pipeline ends for it)
+        if sync_only and rng.random() < 0.1:
+            kw["repetition_penalty"] = 1.2  # a logits processor: synchronous too
+        params.append(SamplingParams(**kw))
+    return prompts, params
+
+
+def _same(got, want, note: str) -> None:
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want], note
+    assert [o.outputs[0].finish_reason for o in got] == [
+        o.outputs[0].finish_reason for o in want], note
+    assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want], note
+
+
+def _no_pages_left(llm: LLM) -> None:
+    eng = llm.engine
+    assert not eng.has_unfinished()
+    assert eng.block_manager.gauges()["live"] == 0
+
+
+def test_random_workloads_equal_synchronous_scheduling(tiny: Path) -> None:
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    planned = 0
+    for _ in range(4):
+        prompts, params = _workload(rng, int(rng.integers(2, 24)))
+        opts = dict(backend="numpy", max_num_seqs=int(rng.integers(1, 9)),
+                    max_num_batched_tokens=int(rng.integers(16, 200)),
+                    num_gpu_blocks_override=int(rng.integers(24, 80)), max_model_len=256,
+                    enable_prefix_caching=bool(rng.random() < 0.7))
+        want = LLM(str(tiny), async_scheduling=False, **opts).generate(prompts, params)
+        llm = LLM(str(tiny), async_scheduling=True, **opts)
+        seen = _counting(llm)
+        got = llm.generate(prompts, params)
+        _same(got, want, f"seed {seed}")
+        _no_pages_left(llm)
+        planned += seen[0]
+    assert planned > 0  # the pipeline ran
+
+
+def test_steady_decoding_pipelines_nearly_every_step(tiny: Path) -> None:
+    prompts = [[5 + i, 6, 7] for i in range(8)]
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 8
+    want = LLM(str(tiny), backend="numpy", async_scheduling=False).generate(prompts, params)
+    llm = LLM(str(tiny), backend="numpy", async_scheduling=True)
+    seen = _counting(llm)
+    _same(llm.generate(prompts, params), want, "steady")
+    # 40 tokens each, all at once: the prefill step, then 39 decode steps of which every one
+    # after the first is planned ahead; the last one ends the pipeline
+    assert seen[0] >= 37 and seen[1] <= 2, seen
+    _no_pages_left(llm)
+
+
+def test_aborts_while_a_step_is_in_flight(tiny: Path) -> None:
+    eng: LLMEngine = LLM(str(tiny), backend="numpy", async_scheduling=True).engine
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    reqs = [eng.add_request([9 + i, 10, 11], sp) for i in range(4)]
+    for _ in range(5):
+        eng.step()
+    assert eng._pending is not None  # a step in flight
+    eng.abort(reqs[1].request_id)
+    eng.abort(reqs[2].request_id)
+    while eng.has_unfinished():
+        eng.step()
+    plain = LLM(str(tiny), backend="numpy", async_scheduling=False).engine
+    for r in (reqs[0], reqs[3]):
+        q = plain.add_request(list(r.prompt_token_ids), sp)
+        while plain.has_unfinished():
+            plain.step()
+        assert q.output_token_ids == r.output_token_ids
+    assert reqs[1].is_finished and len(reqs[1].output_token_ids) < 30
+    assert eng.block_manager.gauges()["live"] == 0
+
+
+def test_a_failed_step_in_the_pipeline_fails_only_its_requests(tiny: Path) -> None:
+    llm = LLM(str(tiny), backend="numpy", async_scheduling=True)
+    eng = llm.engine
+    calls = [0]
+
+    def hook(out):
+        calls[0] += 1
+        if calls[0] == 6:  # a continuation step (the pipeline runs by then)
+            raise RuntimeError("injected")
+
+    eng.fault_hook = hook
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9, 10]], [sp, sp])
+    assert all(o.outputs[0].finish_reason == "error" for o in outs)
+    assert "injected" in (outs[0].outputs[0].error or "")
+    eng.fault_hook = None
+    again = llm.generate([[5, 6, 7]], [sp])[0]  # the engine serves on
+    want = LLM(str(tiny), backend="numpy", async_scheduling=False).generate([[5, 6, 7]], [sp])[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    _no_pages_left(llm)
+
+
+def test_the_two_process_engine_with_async_scheduling(tiny: Path) -> None:
+    rng = np.random.default_rng(3)
+    prompts, params = _workload(rng, 10)
+    want = LLM(str(tiny), backend="numpy", async_scheduling=False).generate(prompts, params)
+    llm = LLM(str(tiny), backend="numpy", async_scheduling=True, engine_core="process")
+    try:
+        _same(llm.generate(prompts, params), want, "process")
+    finally:
+        llm.shutdown()
+
+
+def test_cli_flag() -> None:
+    from tests.test_args import cli_args
+
+    assert cli_args().async_scheduling is True  # the default, as the server runs
+    assert cli_args("--no-async-scheduling").async_scheduling is False
+
+
+def test_interleaved_adds_aborts_and_steps_hypothesis(tiny: Path) -> None:
+    """Hypothesis drives both engines (async and synchronous scheduling) through the same
+    interleaving of request arrivals, aborts and steps, with a small pool and few sequences:
+    a request neither engine aborted gets the same tokens from both; an aborted one's tokens in
+    one engine are a prefix of the other's (the abort lands a step apart); no page is left."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from engine.args import EngineArgs
+
+    def engine(async_on: bool) -> LLMEngine:
+        return LLMEngine(EngineArgs(model=str(tiny), backend="numpy", max_num_seqs=3,
+                                    num_gpu_blocks_override=14, max_model_len=96,
+                                    max_num_batched_tokens=48, async_scheduling=async_on))
+
+    op = st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 30), st.booleans(),
+                  st.integers(0, 1 << 20)),
+        st.tuples(st.just("abort"), st.integers(0, 7)),
+        st.tuples(st.just("step"), st.integers(1, 6)))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.lists(op, min_size=1, max_size=24))
+    def run(ops):
+        a, s = engine(True), engine(False)
+        ra, rs, aborted = [], [], set()
+        for o in ops:
+            if o[0] == "add":
+                _, plen, max_tokens, greedy, seed = o
+                prompt = [(seed + 7 * i) % 250 + 5 for i in range(plen)]
+                sp = SamplingParams(max_tokens=max_tokens, ignore_eos=bool(seed % 3),
+                                    temperature=0.0 if greedy else 0.9, seed=seed)
+                ra.append(a.add_request(prompt, sp))
+                rs.append(s.add_request(prompt, sp))
+            elif o[0] == "abort" and ra:
+                i = o[1] % len(ra)
+                aborted.add(i)
+                a.abort(ra[i].request_id)
+                s.abort(rs[i].request_id)
+            else:
+                for _ in range(o[1]):
+                    if a.has_unfinished():
+                        a.step()
+                    if s.has_unfinished():
+                        s.step()
+        for e in (a, s):
+            while e.has_unfinished():
+                e.step()
+            assert e.block_manager.gauges()["live"] == 0
+        for i, (x, y) in enumerate(zip(ra, rs, strict=True)):
+            tx, ty = x.output_token_ids, y.output_token_ids
+            if i in aborted:
+                n = min(len(tx), len(ty))
+                assert tx[:n] == ty[:n], i
+            else:
+                assert tx == ty, i
+                assert x.finish_reason == y.finish_reason, i
+
+    run()
