@@ -5,14 +5,12 @@ token, greedy and seeded, with stop tokens, EOS and mixed arrivals."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 
 from engine import LLM
 from engine.model.synthetic import write_checkpoint
+from tests.gpu.helpers import report
 from tests.test_async_scheduling import _counting, _same, _workload
 
 
@@ -38,9 +36,5 @@ def test_async_scheduling_equals_synchronous_on_cuda(model_dir):
     st = llm.engine.stats
     assert seen[0] > 0 and st.graph_steps > 0
     assert llm.engine.block_manager.gauges()["live"] == 0
-    rec = {"test": "async_equals_sync_cuda", "continuations": seen[0], "ends": seen[1],
-           "graph_steps": st.graph_steps, "steps": st.steps}
-    print(json.dumps(rec))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_results.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    report({"test": "async_equals_sync_cuda", "continuations": seen[0], "ends": seen[1],
+            "graph_steps": st.graph_steps, "steps": st.steps})

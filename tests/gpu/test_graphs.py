@@ -1,8 +1,6 @@
 """CUDA graphs per bucket: bit-identical replay, padded batches, the by-reference regression,
 greedy equality with and without graphs, and fresh randomness per replay."""
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -15,19 +13,13 @@ from engine.model.loader import load_checkpoint
 from engine.model.synthetic import write_checkpoint
 from graphs.buckets import bucket_for
 from graphs.profile import make_batch
+from tests.gpu.helpers import report
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("g") / "m", "small-qwen3", seed=5,
                             overrides={"num_hidden_layers": 3}, quiet=True)
-
-
-def _report(rec):
-    print(json.dumps(rec))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_results.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
 
 
 def test_replay_bit_identical_to_eager_padded(model_dir):
@@ -63,7 +55,7 @@ def test_replay_bit_identical_to_eager_padded(model_dir):
         ex.stream.synchronize()
         assert np.array_equal(eager_logits.view(np.uint32), g_logits.view(np.uint32)), b
         assert np.array_equal(eager_tok, g_tok), b
-    _report({"test": "graph_replay_bit_identical", "batches": sizes})
+    report({"test": "graph_replay_bit_identical", "batches": sizes})
 
 
 def _workload(n, rng, vocab):
@@ -83,7 +75,7 @@ def test_greedy_with_graphs_equals_without(model_dir):
     b = [o.outputs[0].token_ids for o in e.generate(prompts, sp)]
     assert g.engine.stats.graph_steps > 0 and e.engine.stats.graph_steps == 0
     assert a == b
-    _report({"test": "greedy_graphs_vs_eager", "requests": 64,
+    report({"test": "greedy_graphs_vs_eager", "requests": 64,
              "graph_steps": g.engine.stats.graph_steps, "eager_steps": g.engine.stats.eager_steps})
 
 
@@ -120,7 +112,7 @@ def test_by_reference_regression_256_on_one_cached_prompt(model_dir, monkeypatch
     assert eng.stats.graph_steps > 0
     fresh = llm.generate([1, 2, 3], sp)[0].outputs[0]
     assert fresh.finish_reason == "length"
-    _report({"test": "by_reference_256", "pool_pages": pool, "refs_peak": refs_peak,
+    report({"test": "by_reference_256", "pool_pages": pool, "refs_peak": refs_peak,
              "graph_steps": eng.stats.graph_steps})
 
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import numpy as np
 import pytest
 
+from tests.gpu.helpers import report
 from tests.kernel_refs import ref_gumbel_margin
 from tests.processor_cases import random_step
 from tests.tolerances import TOL
@@ -36,13 +36,6 @@ class _DeviceArena:
         buf = device_array(shape, dtype)
         self.keep.append(buf)
         return buf
-
-
-def _report(rec):
-    print(json.dumps(rec))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_results.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
 
 
 def _assert_logits_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
@@ -127,7 +120,7 @@ def test_logits_process_matches_numpy(cuda_ctx, stream, seed, vocab, rows):
     assert np.array_equal(d_again.download().view(np.uint32), got.view(np.uint32)), \
         f"{what}: a re-run differs"
     np.testing.assert_array_equal(bufs.counts.download(), counts, err_msg=f"{what}: recounted")
-    _report({"test": "logits_process_vs_numpy", "vocab": vocab, "rows": rows,
+    report({"test": "logits_process_vs_numpy", "vocab": vocab, "rows": rows,
              "processed_rows": int((step.flags != 0).sum()), "seed": seed})
 
 
@@ -186,7 +179,7 @@ def test_replay_bit_identical_to_eager_with_processors(model_dir):
         assert np.array_equal(eager_tok, g_tok), b
         assert np.array_equal(eager_counts, g_counts), b
         assert (step.flags != 0).any() and ((step.flags == 0).any() or b == 1)
-    _report({"test": "graph_replay_bit_identical_with_processors", "batches": sizes})
+    report({"test": "graph_replay_bit_identical_with_processors", "batches": sizes})
 
 
 def test_greedy_processors_with_graphs_equal_eager(model_dir):
@@ -220,7 +213,7 @@ def test_greedy_processors_with_graphs_equal_eager(model_dir):
     for i in range(3, 24, 4):  # logprobs are of the logits before the processors: the banned
         for d in a[i].outputs[0].logprobs:  # token keeps a finite logprob where it ranks
             assert all(np.isfinite(lp.logprob) for lp in d.values())
-    _report({"test": "greedy_processors_graphs_vs_eager", "requests": 24,
+    report({"test": "greedy_processors_graphs_vs_eager", "requests": 24,
              "graph_steps": g.engine.stats.graph_steps})
 
 
@@ -263,5 +256,5 @@ def test_structured_rows_overlap_their_masks_and_match_eager(tmp_path):
     for i in range(2, 12, 3):
         obj = json.loads(a[i].outputs[0].text)
         assert isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green", "blue")
-    _report({"test": "structured_overlap_vs_eager", "requests": 12,
+    report({"test": "structured_overlap_vs_eager", "requests": 12,
              "head_replays": g.engine.executor.heads.replays})

@@ -5,9 +5,6 @@ rows."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 import pytest
 
@@ -17,6 +14,7 @@ from engine.executor.cuda_executor import CudaExecutor
 from engine.model.loader import load_checkpoint
 from engine.model.synthetic import write_checkpoint
 from engine.step import StepBatch
+from tests.gpu.helpers import report, span_batch
 
 
 @pytest.fixture(scope="module")
@@ -27,29 +25,6 @@ def ex(tmp_path_factory):
     ec = EngineArgs(model=str(d), backend="cuda", max_num_seqs=64, max_model_len=1024,
                     num_gpu_blocks_override=600, enforce_eager=True).create_engine_config(mc)
     return CudaExecutor(load_checkpoint(d, mc), ec, verbose=False)
-
-
-def _batch(pages, starts, toks, every_token=False) -> StepBatch:
-    """Sequences of ``toks`` at ``starts``; greedy rows of each sequence's last token, or of
-    every token."""
-    q = np.array([len(t) for t in toks], np.int32)
-    n, tot = len(toks), int(q.sum())
-    seq = np.repeat(np.arange(n), q)
-    cu = np.zeros(n + 1, np.int32)
-    np.cumsum(q, out=cu[1:])
-    pos = (np.asarray(starts)[seq] + np.arange(tot) - cu[:-1][seq]).astype(np.int32)
-    slots = pages[seq, pos // 16] * 16 + pos % 16
-    rows = np.arange(tot) if every_token else cu[1:] - 1
-    s = rows.shape[0]
-    return StepBatch(
-        input_ids=np.concatenate(toks).astype(np.int32), positions=pos,
-        slot_mapping=slots.astype(np.int64), cu_seqlens_q=cu,
-        context_lens=(np.asarray(starts) + q).astype(np.int32),
-        page_indices=pages.astype(np.int32), sample_token_idx=rows.astype(np.int32),
-        temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
-        top_p=np.ones(s, np.float32), min_p=np.zeros(s, np.float32),
-        seeds=np.zeros(s, np.uint64), sample_steps=np.zeros(s, np.uint32),
-        num_logprobs=np.full(s, -1, np.int32))
 
 
 def _logits(ex, b: StepBatch, rows: int, tile_as: int, decode: bool) -> np.ndarray:
@@ -94,20 +69,16 @@ def test_mixed_step_parts_equal_each_part_alone(ex):
         toks = [rng.integers(0, v, qq) for qq in qs]
         m = int(sum(qs))  # every part below runs the GEMM kernels of an m-row call
         # the decode rows alone, as a decode step
-        dec = _batch(pages[:n_dec], starts[:n_dec], toks[:n_dec])
+        dec = span_batch(pages[:n_dec], starts[:n_dec], toks[:n_dec], every_token=False)
         want_dec = _logits(ex, dec, n_dec, m, decode=True)
         # the chunks alone, as a prefill step (logits of every chunk token)
-        pre = _batch(pages[n_dec:], starts[n_dec:], toks[n_dec:], every_token=True)
+        pre = span_batch(pages[n_dec:], starts[n_dec:], toks[n_dec:])
         want_pre = _logits(ex, pre, pre.num_tokens, m, decode=False)
-        got = _logits(ex, _batch(pages, starts, toks, every_token=True), m, m, decode=False)
+        got = _logits(ex, span_batch(pages, starts, toks), m, m, decode=False)
         assert np.isfinite(got).all()
         assert np.array_equal(got[:n_dec].view(np.uint32), want_dec.view(np.uint32)), n_dec
         assert np.array_equal(got[n_dec:].view(np.uint32), want_pre.view(np.uint32)), chunks
         # and the mixed step does run the decode rows apart (prefill kernel: other bits)
-        assert ex.stage_mixed(_batch(pages, starts, toks)) == n_dec
+        assert ex.stage_mixed(span_batch(pages, starts, toks, every_token=False)) == n_dec
         cases.append({"decode_rows": n_dec, "chunks": chunks})
-    rec = {"test": "mixed_step_parts_bit_identical", "cases": cases}
-    print(json.dumps(rec))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_results.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
+    report({"test": "mixed_step_parts_bit_identical", "cases": cases})

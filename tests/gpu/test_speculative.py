@@ -6,9 +6,6 @@ and an adversarial one none."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -19,7 +16,7 @@ from engine.config import ModelConfig
 from engine.executor.cuda_executor import CudaExecutor
 from engine.model.loader import load_checkpoint
 from engine.model.synthetic import write_checkpoint
-from engine.step import StepBatch
+from tests.gpu.helpers import report, span_batch
 
 K = 15  # drafts per speculating sequence: verify spans of up to 16 rows
 
@@ -28,36 +25,6 @@ K = 15  # drafts per speculating sequence: verify spans of up to 16 rows
 def model_dir(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("spec") / "m", "small-qwen3", seed=9,
                             overrides={"num_hidden_layers": 3}, quiet=True)
-
-
-def _report(rec):
-    print(json.dumps(rec))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_results.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-
-
-def _batch(pages, starts, toks, temps, seeds, steps, page_size=16) -> StepBatch:
-    """Sequences i with tokens ``toks[i]`` at positions ``starts[i]..``, every token sampled at
-    the request's step ``steps[i] + j``."""
-    q = np.array([len(t) for t in toks], np.int32)
-    n, tot = len(toks), int(q.sum())
-    seq = np.repeat(np.arange(n), q)
-    cu = np.zeros(n + 1, np.int32)
-    np.cumsum(q, out=cu[1:])
-    j = np.arange(tot) - cu[:-1][seq]
-    pos = (np.asarray(starts)[seq] + j).astype(np.int32)
-    slots = pages[seq, pos // page_size] * page_size + pos % page_size
-    return StepBatch(
-        input_ids=np.concatenate(toks).astype(np.int32), positions=pos,
-        slot_mapping=slots.astype(np.int64), cu_seqlens_q=cu,
-        context_lens=(np.asarray(starts) + q).astype(np.int32),
-        page_indices=pages.astype(np.int32), sample_token_idx=np.arange(tot, dtype=np.int32),
-        temperature=np.asarray(temps, np.float32)[seq], top_k=np.zeros(tot, np.int32),
-        top_p=np.ones(tot, np.float32), min_p=np.zeros(tot, np.float32),
-        seeds=np.asarray(seeds, np.uint64)[seq],
-        sample_steps=(np.asarray(steps)[seq] + j).astype(np.uint32),
-        num_logprobs=np.full(tot, -1, np.int32))
 
 
 def test_verify_rows_are_the_bits_of_plain_decode(model_dir):
@@ -96,14 +63,15 @@ def test_verify_rows_are_the_bits_of_plain_decode(model_dir):
         # plain decoding: K + 1 steps of all b sequences (bucket graphs)
         plain_logits, plain_tok = [], []
         for j in range(K + 1):
-            step = _batch(pages, starts + j, [t[j:j + 1] for t in toks], temps, seeds, steps + j)
+            step = span_batch(pages, starts + j, [t[j:j + 1] for t in toks], temps=temps,
+                              seeds=seeds, steps=steps + j)
             out = ex.execute(step)
             assert out.graph
             plain_tok.append(out.sampled)
             plain_logits.append(ex.buf.logits.download(np.empty((b, v), np.float32), ex.stream))
         ex.stream.synchronize()
-        span = _batch(pages, starts, [t[:n] for t, n in zip(toks, q, strict=True)], temps,
-                      seeds, steps)
+        span = span_batch(pages, starts, [t[:n] for t, n in zip(toks, q, strict=True)],
+                          temps=temps, seeds=seeds, steps=steps)
         rows = ex.verify_rows(span)
         assert rows is not None and rows.num_seqs == int(q.sum())
         seq = np.repeat(np.arange(b), q)
@@ -128,7 +96,7 @@ def test_verify_rows_are_the_bits_of_plain_decode(model_dir):
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (b, mode)
             assert np.array_equal(tok, want_tok), (b, mode)
         checked.append({"batch": b, "rows": int(q.sum())})
-    _report({"test": "verify_rows_bit_identical_to_plain_decode", "cases": checked})
+    report({"test": "verify_rows_bit_identical_to_plain_decode", "cases": checked})
 
 
 def _prompts(rng, n, vocab):
@@ -175,7 +143,7 @@ def test_speculative_outputs_equal_plain_outputs(model_dir):
         assert spec.engine.block_manager.gauges()["live"] == 0
         res[k] = {"drafted": drafted, "accepted": accepted}
         del spec
-    _report({"test": "speculative_outputs_equal_plain", "ngram": res})
+    report({"test": "speculative_outputs_equal_plain", "ngram": res})
 
 
 @pytest.mark.parametrize("wrong", [False, True])
@@ -203,7 +171,7 @@ def test_oracle_and_adversarial_proposers_on_cuda(model_dir, wrong):
     accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in outs)
     assert drafted > 0
     assert accepted == (0 if wrong else drafted)
-    _report({"test": "oracle_adversarial_cuda", "wrong": wrong, "drafted": drafted,
+    report({"test": "oracle_adversarial_cuda", "wrong": wrong, "drafted": drafted,
              "accepted": accepted})
 
 
@@ -219,5 +187,5 @@ def test_issue_681_scenario_on_cuda(model_dir):
     free = _issue_681(llm, np.random.default_rng(), llm.engine.model_config.vocab_size)
     g = llm.engine.gauges()["spec"]
     assert g["draft_tokens"] > 0
-    _report({"test": "issue_681_cuda", "free_after_each": free[:3], "spec": {
+    report({"test": "issue_681_cuda", "free_after_each": free[:3], "spec": {
         k: g[k] for k in ("draft_tokens", "accepted_tokens", "drafts")}})
