@@ -81,8 +81,8 @@ def script_outputs(eng: Any) -> None:
         step = execute(batch)
         for row, req in enumerate(plan):
             ids = script_of(req)
-            if ids is not None:
-                n = len(req.output_token_ids)
+            if ids is not None:  # the row's step: its outputs before it (also under async
+                n = int(batch.sample_steps[row])  # scheduling, where the host lags a step)
                 step.sampled[row] = ids[n] if n < len(ids) else eos
         return step
 
