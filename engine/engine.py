@@ -230,7 +230,7 @@ class LLMEngine(OutputViews):
         if not out.seqs:
             return list(out.refused)
         handle, failure = self._launch(out)
-        if (self.async_scheduling and failure is None
+        if (self.async_scheduling and failure is None and hasattr(self.executor, "launch")
                 and all(s.num_new == 1 and s.sample for s in out.seqs)):
             self._pending = (out, handle, None)  # completed by the next step(), overlapped
             return list(out.refused)
@@ -247,7 +247,8 @@ class LLMEngine(OutputViews):
                 self.fault_hook(out)
             batch = build_batch(out, self.processors)
             self._mark()
-            handle = self.executor.launch(batch, src_rows)
+            launch = getattr(self.executor, "launch", None)  # (a duck-typed executor: execute)
+            handle = self.executor.execute(batch) if launch is None else launch(batch, src_rows)
             self._mark()
             return handle, None
         except Exception as e:  # fail this step's requests (or rows) only; keep serving
@@ -259,7 +260,8 @@ class LLMEngine(OutputViews):
         if failure is not None:
             return None, failure
         try:
-            return self.executor.finish(handle), None
+            finish = getattr(self.executor, "finish", None)
+            return (handle if finish is None else finish(handle)), None
         except Exception as e:
             return None, (None, f"{type(e).__name__}: {e}")
 

@@ -234,3 +234,29 @@ def test_interleaved_adds_aborts_and_steps_hypothesis(tiny: Path) -> None:
                 assert x.finish_reason == y.finish_reason, i
 
     run()
+
+
+def test_an_executor_without_launch_runs_synchronously(tiny: Path) -> None:
+    """An executor that only has ``execute`` (a stand-in, a third-party backend) still serves
+    with async scheduling on: its steps run one at a time."""
+
+    class ExecuteOnly:
+        def __init__(self, inner):
+            self.inner = inner
+            self.heartbeat = 0
+
+        def execute(self, b):
+            return self.inner.execute(b)
+
+        def shutdown(self):
+            self.inner.shutdown()
+
+    rng = np.random.default_rng(11)
+    prompts, params = _workload(rng, 8)
+    want = LLM(str(tiny), backend="numpy", async_scheduling=False).generate(prompts, params)
+    llm = LLM(str(tiny), backend="numpy", async_scheduling=True)
+    llm.engine.executor = ExecuteOnly(llm.engine.executor)
+    seen = _counting(llm)
+    _same(llm.generate(prompts, params), want, "execute-only")
+    assert seen == [0, 0]  # never pipelined
+    _no_pages_left(llm)
