@@ -15,6 +15,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.engine import LLMEngine
+from tests.test_speculative import _no_pages_left
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +74,6 @@ def _same(got, want, note: str) -> None:
     assert [o.outputs[0].finish_reason for o in got] == [
         o.outputs[0].finish_reason for o in want], note
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want], note
-
-
-def _no_pages_left(llm: LLM) -> None:
-    eng = llm.engine
-    assert not eng.has_unfinished()
-    assert eng.block_manager.gauges()["live"] == 0
 
 
 def test_random_workloads_equal_synchronous_scheduling(tiny: Path) -> None:

@@ -37,9 +37,8 @@ import numpy as np
 
 from engine.config import ConfigError, ModelConfig, RopeScaling
 from engine.jsonfile import Fields, is_id, read_json
-from engine.model.loader import BF16, FLOAT_DTYPES, CheckpointError, _shard_files
+from engine.model.loader import BF16, FLOAT_DTYPES, CheckpointError, read_shards
 from engine.model.reference import apply_rope, attention, rms_norm, rope_cos_sin, silu
-from engine.model.safetensors_io import SafetensorsError, open_tensors
 
 log = logging.getLogger(__name__)
 
@@ -279,19 +278,8 @@ def load_drafter(path: str | os.PathLike[str], target: ModelConfig | None = None
     dc = DFlashConfig.from_pretrained(d)
     if target is not None:
         dc.check_target(target, f"the DFlash drafter {d}")
-    raw: dict[str, np.ndarray] = {}
+    raw = read_shards(d, "model.", "DFlash drafter weights cannot be used")
     problems: list[str] = []
-    for f in _shard_files(d):
-        try:
-            for name, arr in open_tensors(f).items():
-                name = name.removeprefix("model.")
-                if name in raw:
-                    problems.append(f"tensor {name} appears more than once")
-                raw[name] = arr
-        except SafetensorsError as e:
-            problems.append(str(e))
-    if problems:
-        raise CheckpointError(str(d), problems, "DFlash drafter weights cannot be used")
     want = expected_tensors(dc)
     for name, shape in want.items():
         a = raw.get(name)

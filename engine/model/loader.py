@@ -161,25 +161,36 @@ def _shard_files(d: Path) -> list[Path]:
     return [path for _, path, _ in found if path is not None]
 
 
-def load_checkpoint(path: str | os.PathLike[str], config: ModelConfig | None = None,
-                    progress: bool | None = None) -> Checkpoint:
-    """Memory-map and validate a checkpoint directory. Float tensors other than bf16 are
-    converted to bf16 (the engine computes on bf16 weights)."""
-    d = Path(path)
-    cfg = config or ModelConfig.from_pretrained(d)
-    files = _shard_files(d)
+def read_shards(d: Path, strip_prefix: str = "", why: str | None = None
+                ) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint directory ``d``'s shards, memory-mapped, by name (with
+    ``strip_prefix`` removed); CheckpointError (``why``) listing every unreadable shard and
+    every name found twice."""
     raw: dict[str, np.ndarray] = {}
     problems: list[str] = []
-    for f in files:
+    for f in _shard_files(d):
         try:
             for name, arr in open_tensors(f).items():
+                name = name.removeprefix(strip_prefix) if strip_prefix else name
                 if name in raw:
                     problems.append(f"tensor {name} appears in more than one shard")
                 raw[name] = arr
         except SafetensorsError as e:
             problems.append(str(e))
     if problems:
-        raise CheckpointError(str(d), problems)
+        raise CheckpointError(str(d), problems) if why is None else CheckpointError(
+            str(d), problems, why)
+    return raw
+
+
+def load_checkpoint(path: str | os.PathLike[str], config: ModelConfig | None = None,
+                    progress: bool | None = None) -> Checkpoint:
+    """Memory-map and validate a checkpoint directory. Float tensors other than bf16 are
+    converted to bf16 (the engine computes on bf16 weights)."""
+    d = Path(path)
+    cfg = config or ModelConfig.from_pretrained(d)
+    raw = read_shards(d)
+    problems: list[str] = []
 
     want = expected_tensors(cfg)
     optional = optional_tensors(cfg)
