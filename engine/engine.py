@@ -236,19 +236,24 @@ class LLMEngine(OutputViews):
             return list(out.refused)
         return self._complete(out, handle, failure)
 
-    def _launch(self, out: SchedulerOutput, src_rows: np.ndarray | None = None
-                ) -> tuple[Any, tuple[set[int] | None, str] | None]:
+    def _launch(self, out: SchedulerOutput, src_rows: np.ndarray | None = None,
+                deferred: bool = False) -> tuple[Any, tuple[set[int] | None, str] | None]:
         """Build and launch a step: (handle, None), or (None, (rows, error)) when it cannot
-        run (its requests, or those rows, fail; the engine serves on)."""
+        run (its requests, or those rows, fail; the engine serves on). ``deferred``: its
+        logits processors come later (``_launch_procs``)."""
         if out.error is not None:
             return None, (None, out.error)
         try:
             if self.fault_hook is not None:
                 self.fault_hook(out)
-            batch = build_batch(out, self.processors)
+            batch = build_batch(out, None if deferred else self.processors)
             self._mark()
             launch = getattr(self.executor, "launch", None)  # (a duck-typed executor: execute)
-            handle = self.executor.execute(batch) if launch is None else launch(batch, src_rows)
+            if deferred:
+                handle = self.executor.launch_deferred(batch, src_rows)
+            else:
+                handle = self.executor.execute(batch) if launch is None else launch(batch,
+                                                                                    src_rows)
             self._mark()
             return handle, None
         except Exception as e:  # fail this step's requests (or rows) only; keep serving
@@ -273,13 +278,19 @@ class LLMEngine(OutputViews):
         assert self._pending is not None
         out, handle, failure = self._pending
         self._pending = None
-        nxt = self.scheduler.schedule_continuation(out) if failure is None else None
+        defer = hasattr(self.executor, "launch_procs")
+        nxt = (self.scheduler.schedule_continuation(out, procs=defer) if failure is None
+               else None)
         self._mark()
         launched = None
+        deferred = False
         if nxt is not None:
             row = {id(s.request): i for i, s in enumerate(out.seqs)}
             src = np.array([row[id(s.request)] for s in nxt.seqs], np.int64)
-            launched = self._launch(nxt, src)
+            # logits processors (grammar masks, bad words, min_tokens) depend on the tokens of
+            # the step in flight: the next step's forward runs now, its processors come after
+            deferred = self.processors.active and any(s.request.procs for s in nxt.seqs)
+            launched = self._launch(nxt, src, deferred)
         step, failure = self._finish(handle, failure)
         if failure is not None and nxt is not None:
             # the next step's inputs are not valid: discard it, give its slots back first
@@ -288,8 +299,22 @@ class LLMEngine(OutputViews):
             nxt = None
         changed = self._complete(out, step, failure, finished=True)
         if nxt is not None:
+            if deferred and launched[1] is None:
+                launched = self._launch_procs(nxt, launched[0])
             self._pending = (nxt, *launched)
         return changed
+
+    def _launch_procs(self, out: SchedulerOutput, handle: Any
+                      ) -> tuple[Any, tuple[set[int] | None, str] | None]:
+        """A deferred step's logits processors, now that the step before it is complete (a
+        request it finished samples this step unconstrained; its row is dropped)."""
+        try:
+            procs = self.processors.prepare([s.request for s in out.seqs])
+            return self.executor.launch_procs(handle, procs), None
+        except Exception as e:  # fail this step's requests (or rows) only; keep serving
+            self.executor.finish(handle)
+            rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
+            return None, (rows, f"{type(e).__name__}: {e}")
 
     def _complete(self, out: SchedulerOutput, handle: Any,
                   failure: tuple[set[int] | None, str] | None,

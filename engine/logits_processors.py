@@ -226,8 +226,10 @@ class LogitsProcessorState:
         self.live.add(id(rp))
 
     def prepare(self, sample_reqs: Sequence[Request]) -> ProcessorRows | None:
-        """The step's rows (one per sample row, in order), or None when none has a processor."""
-        rps = [r.procs for r in sample_reqs]
+        """The step's rows (one per sample row, in order), or None when none has a processor.
+        A request already finished (async scheduling: by the step before this one, whose row
+        here is dropped) samples unconstrained."""
+        rps = [None if r.is_finished else r.procs for r in sample_reqs]
         if not any(rps):
             return None
         s, v = len(rps), self.vocab_size

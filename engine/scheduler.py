@@ -157,14 +157,17 @@ class Scheduler:
             error = f"{type(e).__name__}: {e}"
         return SchedulerOutput(tuple(seqs), tuple(preempted), error=error)
 
-    def schedule_continuation(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+    def schedule_continuation(self, prev: SchedulerOutput,
+                              procs: bool = False) -> SchedulerOutput | None:
         """Async scheduling: the decode step after ``prev``, planned before ``prev``'s tokens
         are known. Each request of ``prev`` decodes one more token (its input: the token
         ``prev`` samples for it, taken on the device), so it must be a plain decode row that
         stays running whatever ``prev`` samples -- except for a stop token or EOS, found one
         step late (that request's extra row is dropped, ``update_from_output``). None when the
         next step is anything else (admissions, prefills, speculation, logprobs, logits
-        processors, a pool that is full): the engine then finishes ``prev`` and plans normally."""
+        processors unless ``procs`` -- the engine then gives the step its processors once
+        ``prev`` is complete --, a pool that is full): the engine then finishes ``prev`` and
+        plans normally."""
         cfg, bm = self.config, self.bm
         if self.waiting and len(self.running) < cfg.max_num_seqs:
             return None  # admissions to plan
@@ -176,7 +179,8 @@ class Scheduler:
         for s in prev.seqs:
             req = s.request
             if (s.num_new != 1 or not s.sample or s.drafts or req.is_finished
-                    or req.procs is not None or req.params.logprobs is not None):
+                    or (req.procs is not None and not procs)
+                    or req.params.logprobs is not None):
                 return self._undo(seqs)
             # after prev the request holds len(output) + 1 tokens; one more must be allowed
             if (len(req.output_token_ids) + 2 > req.max_output_tokens

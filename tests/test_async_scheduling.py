@@ -32,8 +32,8 @@ def _counting(llm: LLM) -> list[int]:
     plan = sched.schedule_continuation
     seen = [0, 0]
 
-    def spy(out):
-        r = plan(out)
+    def spy(out, **kw):
+        r = plan(out, **kw)
         seen[r is None] += 1
         return r
 
@@ -42,8 +42,8 @@ def _counting(llm: LLM) -> list[int]:
 
 
 def _workload(rng: np.random.Generator, n: int, sync_only: bool = True):
-    """Random prompts and params; ``sync_only``: some requests want logprobs or a logits
-    processor (their steps run synchronously: a batch holding one never pipelines)."""
+    """Random prompts and params; ``sync_only``: some requests want logprobs (their steps run
+    synchronously: a batch holding one never pipelines) or a logits processor."""
     prompts, params = [], []
     for _ in range(n):
         if rng.random() < 0.4:
@@ -64,7 +64,7 @@ def _workload(rng: np.random.Generator, n: int, sync_only: bool = True):
         if sync_only and rng.random() < 0.1:
             kw["logprobs"] = 2  # decodes synchronously (the pipeline ends for it)
         if sync_only and rng.random() < 0.1:
-            kw["repetition_penalty"] = 1.2  # a logits processor: synchronous too
+            kw["repetition_penalty"] = 1.2  # a logits processor (its steps are deferred)
         params.append(SamplingParams(**kw))
     return prompts, params
 
@@ -254,4 +254,93 @@ def test_an_executor_without_launch_runs_synchronously(tiny: Path) -> None:
     seen = _counting(llm)
     _same(llm.generate(prompts, params), want, "execute-only")
     assert seen == [0, 0]  # never pipelined
+    _no_pages_left(llm)
+
+
+def _deferred_count(llm: LLM) -> list[int]:
+    """How many steps got their logits processors late (``launch_procs``) from now on."""
+    ex = llm.engine.executor
+    inner = ex.launch_procs
+    seen = [0]
+
+    def spy(handle, procs):
+        seen[0] += 1
+        return inner(handle, procs)
+
+    ex.launch_procs = spy
+    return seen
+
+
+def _proc_workload(rng: np.random.Generator, n: int, vocab: int):
+    """Prompts and params where most requests have logits processors whose rows depend on the
+    tokens so far (penalties, min_tokens with a biased stop id, allowed ids, logit_bias)."""
+    prompts, params = [], []
+    for _ in range(n):
+        prompts.append(rng.integers(5, 300, int(rng.integers(1, 40))).tolist())
+        kw: dict = {"max_tokens": int(rng.integers(2, 40)),
+                    "ignore_eos": bool(rng.random() < 0.5),
+                    "temperature": float(rng.choice([0.0, 0.8])),
+                    "seed": int(rng.integers(1 << 30))}
+        r = rng.random()
+        if r < 0.25:
+            kw.update(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3)
+        elif r < 0.5:
+            stop = int(rng.integers(5, 300))
+            kw.update(min_tokens=int(rng.integers(1, min(8, kw["max_tokens"]))),
+                      stop_token_ids=[stop],
+                      logit_bias={stop: 30.0})  # the stop id wins once min_tokens allows it
+        elif r < 0.7:
+            kw.update(allowed_token_ids=rng.integers(0, vocab, 40).tolist())
+        elif r < 0.85:
+            kw.update(logit_bias={int(t): 5.0 for t in rng.integers(0, vocab, 3)})
+        params.append(SamplingParams(**kw))
+    return prompts, params
+
+
+def test_logits_processor_steps_pipeline_and_equal_synchronous(tiny: Path) -> None:
+    """Decode steps with logits processors pipeline too: the next step's forward is launched
+    before the one in flight completes, its processor rows (min_tokens, penalties, bans) are
+    built once it has (``launch_deferred`` / ``launch_procs``). Outputs equal synchronous
+    scheduling's, with preemption and prefix caching, and no page or slot is left."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    deferred = 0
+    for _ in range(3):
+        opts = dict(backend="numpy", max_num_seqs=int(rng.integers(2, 9)),
+                    num_gpu_blocks_override=int(rng.integers(24, 80)), max_model_len=256,
+                    enable_prefix_caching=bool(rng.random() < 0.7))
+        want_llm = LLM(str(tiny), async_scheduling=False, **opts)
+        prompts, params = _proc_workload(rng, int(rng.integers(3, 16)),
+                                         want_llm.engine.model_config.vocab_size)
+        want = want_llm.generate(prompts, params)
+        llm = LLM(str(tiny), async_scheduling=True, **opts)
+        seen = _deferred_count(llm)
+        _same(llm.generate(prompts, params), want, f"seed {seed}")
+        _no_pages_left(llm)
+        assert not llm.engine.processors.active and not llm.engine.processors.pool.holders
+        deferred += seen[0]
+    assert deferred > 0, seed
+
+
+def test_structured_output_pipelines_and_equals_synchronous(chat_dir: Path) -> None:
+    """Grammar-constrained rows beside bad words, penalties and plain rows, sampled with seeds:
+    the masks of a deferred step come from matchers that took the previous step's tokens, so
+    the outputs equal synchronous scheduling's token for token (grammars that complete early
+    finish their requests one step late; that row is dropped)."""
+    from engine.sampling_params import StructuredOutputsParams as SO
+
+    so = [SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                   "required": ["a"]}), SO(regex=r"[0-9]{2,5}-[a-z]{1,3}"),
+          SO(choice=["left", "right"]), None]
+    ps = [SamplingParams(max_tokens=24, temperature=0.9, seed=s, structured_outputs=so[s % 4],
+                         bad_words=["the"] if s % 5 == 1 else None,
+                         repetition_penalty=1.2 if s % 3 == 0 else 1.0)
+          for s in range(12)]
+    opts = dict(backend="numpy", max_model_len=256, max_num_seqs=8)
+    want = LLM(str(chat_dir), async_scheduling=False, **opts).generate(["Answer:"] * 12, ps)
+    llm = LLM(str(chat_dir), async_scheduling=True, **opts)
+    seen = _deferred_count(llm)
+    _same(llm.generate(["Answer:"] * 12, ps), want, "structured")
+    assert seen[0] > 0
+    assert not llm.engine.processors.active
     _no_pages_left(llm)

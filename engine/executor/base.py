@@ -19,7 +19,16 @@ from typing import Any
 
 import numpy as np
 
-from engine.step import StepBatch, StepOutput
+from engine.step import ProcessorRows, StepBatch, StepOutput
+
+
+class _Deferred:
+    """A step launched before its logits processors were known (``launch_deferred``)."""
+
+    __slots__ = ("batch", "src_rows")
+
+    def __init__(self, batch: StepBatch, src_rows: np.ndarray | None) -> None:
+        self.batch, self.src_rows = batch, src_rows
 
 
 class ExecutorError(RuntimeError):
@@ -52,7 +61,22 @@ class Executor(ABC):
         self._last_sampled = out.sampled
         return out
 
+    def launch_deferred(self, batch: StepBatch, src_rows: np.ndarray | None = None) -> Any:
+        """Start a step whose logits processors (``batch.procs``) are not known yet: they
+        depend on the tokens of the step in flight (grammar masks, bad words, min_tokens).
+        ``launch_procs(handle, procs)`` gives them once that step is complete, and only then
+        does this step sample. A GPU backend runs the forward meanwhile; this default runs
+        the whole step in ``launch_procs``."""
+        return _Deferred(batch, src_rows)
+
+    def launch_procs(self, handle: Any, procs: ProcessorRows | None) -> Any:
+        """The processors of a ``launch_deferred`` step; returns the handle ``finish`` takes."""
+        handle.batch.procs = procs
+        return self.launch(handle.batch, handle.src_rows)
+
     def finish(self, handle: Any) -> StepOutput:
+        if isinstance(handle, _Deferred):  # discarded before its processors came
+            return StepOutput(sampled=np.zeros(0, np.int32))
         return handle
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook

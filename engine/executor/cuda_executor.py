@@ -34,7 +34,7 @@ from engine.executor.cuda_model import (
 from engine.executor.cuda_shapes import check_supported
 from engine.executor.staged_inputs import StagedInputs
 from engine.model.loader import Checkpoint
-from engine.step import Logprobs, StepBatch, StepOutput
+from engine.step import Logprobs, ProcessorRows, StepBatch, StepOutput
 from graphs.buckets import bucket_for, bucket_sizes
 from graphs.runner import DecodePlan, GraphRunner
 
@@ -57,6 +57,15 @@ class _InFlight:
 
     def __init__(self, tokens: np.ndarray, event: Event) -> None:
         self.tokens, self.event = tokens, event
+
+
+class _Heads:
+    """A deferred step whose heads graph runs; its tail waits for ``launch_procs``."""
+
+    __slots__ = ("batch", "bucket")
+
+    def __init__(self, batch: StepBatch, bucket: int) -> None:
+        self.batch, self.bucket = batch, bucket
 
 
 def _copy_runs(src_ptr: int, dst_ptr: int, src_rows: np.ndarray, stream: Stream) -> None:
@@ -540,20 +549,56 @@ class CudaExecutor(Executor):
             _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, src_rows, st)
         self.upload_sampling(b, pad_to=bucket)
         self.graphs.replay(bucket)
+        return self._download_async(n)
+
+    def launch_deferred(self, b: StepBatch, src_rows: np.ndarray | None = None) -> Any:
+        """A decode continuation whose logits processors come later (``launch_procs``): the
+        bucket's heads graph (forward and LM head) is enqueued now, from the previous step's
+        samples on the device, and the host computes the processors' rows (grammar masks)
+        while it runs. A step that cannot replay a heads graph runs whole in launch_procs."""
+        h = self.heads
+        n = b.num_seqs
+        if not (self._async_ok(b) and h is not None and h.plan.bucket(n) in h.graphs):
+            return super().launch_deferred(b, src_rows)
+        self._check(b)
+        buf, st = self.buf, self.stream
+        bucket = h.pad(n)
+        self.upload(b, pad_to=bucket)
+        if src_rows is not None:
+            _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, src_rows, st)
+        self.upload_sampling(b, pad_to=bucket, procs=False)
+        h.replay(bucket)
+        return _Heads(b, bucket)
+
+    def launch_procs(self, handle: Any, procs: ProcessorRows | None) -> Any:
+        if not isinstance(handle, _Heads):
+            return super().launch_procs(handle, procs)
+        n, bucket = handle.batch.num_seqs, handle.bucket
+        self.buf.procs.stage(procs, bucket, self.stream)  # (computes the grammar masks)
+        self.decode_tail(bucket)
+        return self._download_async(n)
+
+    def _download_async(self, n: int) -> _InFlight:
+        """The samples of rows 0..n-1 into a pinned buffer behind an event."""
         if self._pinned is None:
             self._pinned = [PinnedBuffer(self.sizes.logit_rows, np.int32) for _ in range(2)]
             self._events = [Event(timing=False) for _ in range(2)]
         k = self._flip
         self._flip ^= 1
         out = self._pinned[k].array[:n]
-        buf.sampled.download(out, st)
-        self._events[k].record(st)
+        self.buf.sampled.download(out, self.stream)
+        self._events[k].record(self.stream)
         self._inflight = _InFlight(out, self._events[k])
         return self._inflight
 
     def finish(self, handle: Any) -> StepOutput:
         if isinstance(handle, _Done):
             return handle.out
+        if isinstance(handle, _Heads):  # discarded before its processors came
+            self.stream.synchronize()
+            return StepOutput(sampled=np.zeros(0, np.int32))
+        if not isinstance(handle, _InFlight):
+            return super().finish(handle)
         handle.event.synchronize()
         return StepOutput(sampled=handle.tokens.copy(), graph=True)
 

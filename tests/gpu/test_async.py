@@ -1,7 +1,8 @@
 """Async scheduling on cuda: decode steps launched before the previous step's tokens reach the
 host (their input tokens copied on the device from the previous samples, their samples read
 back through pinned memory behind an event) give synchronous scheduling's outputs token for
-token, greedy and seeded, with stop tokens, EOS and mixed arrivals."""
+token, greedy and seeded, with stop tokens, EOS and mixed arrivals; so do steps with logits
+processors, whose heads graph runs before their processor rows exist (``launch_deferred``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import pytest
 from engine import LLM
 from engine.model.synthetic import write_checkpoint
 from tests.gpu.helpers import report
-from tests.test_async_scheduling import _counting, _same, _workload
+from tests.test_async_scheduling import (
+    _counting,
+    _deferred_count,
+    _proc_workload,
+    _same,
+    _workload,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +45,25 @@ def test_async_scheduling_equals_synchronous_on_cuda(model_dir):
     assert llm.engine.block_manager.gauges()["live"] == 0
     report({"test": "async_equals_sync_cuda", "continuations": seen[0], "ends": seen[1],
             "graph_steps": st.graph_steps, "steps": st.steps})
+
+
+def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
+    """Penalties, min_tokens, allowed ids and logit_bias rows, seeded and greedy: the heads
+    graph of step N+1 runs from N's samples on the device, the processor rows are staged once
+    N is complete, the tail samples; outputs equal synchronous scheduling's."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    opts = dict(backend="cuda", max_num_seqs=32, max_model_len=512,
+                num_gpu_blocks_override=32 * 32 + 8)
+    sync = LLM(str(model_dir), async_scheduling=False, **opts)
+    prompts, params = _proc_workload(rng, 48, sync.engine.model_config.vocab_size)
+    want = sync.generate(prompts, params)
+    del sync
+    llm = LLM(str(model_dir), async_scheduling=True, **opts)
+    seen = _deferred_count(llm)
+    heads0 = llm.engine.executor.heads.replays
+    _same(llm.generate(prompts, params), want, f"seed {seed}")
+    heads = llm.engine.executor.heads.replays - heads0
+    assert seen[0] > 0 and heads > 0, (seen, heads)
+    assert llm.engine.block_manager.gauges()["live"] == 0
+    report({"test": "deferred_procs_equal_sync_cuda", "deferred": seen[0], "head_replays": heads})
