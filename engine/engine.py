@@ -52,6 +52,17 @@ class StepStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class _Later:
+    """A deferred step in flight: its forward launched (``handle``), its processor rows built
+    (``procs``, grammar masks maybe still computing) or the error that building them raised;
+    ``launch_procs`` still to call."""
+
+    handle: Any
+    procs: Any
+    error: Exception | None
+
+
 def resolve_model_dir(model: str) -> Path:
     """--model -> checkpoint directory: a directory, a .gguf file, a hub id or the default."""
     from engine.model.hub import resolve_model
@@ -165,6 +176,7 @@ class LLMEngine(OutputViews):
         # the next step() call
         self.async_scheduling = bool(cfg.async_scheduling)
         self._pending: tuple[SchedulerOutput, Any, Any] | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks of deferred steps
         trace = envs.step_trace_path()  # one line per step (CUTEINFER_STEP_TRACE), or None
         self._trace = None if trace is None else open(trace, "a", buffering=1 << 16)  # noqa: SIM115
         self._marks: list[float] = []
@@ -236,11 +248,17 @@ class LLMEngine(OutputViews):
             return list(out.refused)
         return self._complete(out, handle, failure)
 
-    def _launch(self, out: SchedulerOutput, src_rows: np.ndarray | None = None,
-                deferred: bool = False) -> tuple[Any, tuple[set[int] | None, str] | None]:
+    def _launch(self, out: SchedulerOutput, src_rows: np.ndarray | None = None
+                ) -> tuple[Any, tuple[set[int] | None, str] | None]:
         """Build and launch a step: (handle, None), or (None, (rows, error)) when it cannot
-        run (its requests, or those rows, fail; the engine serves on). ``deferred``: its
-        logits processors come later (``_launch_procs``)."""
+        run (its requests, or those rows, fail; the engine serves on)."""
+        batch, failure = self._build(out)
+        return (None, failure) if failure is not None else self._start(batch, src_rows)
+
+    def _build(self, out: SchedulerOutput, deferred: bool = False
+               ) -> tuple[Any, tuple[set[int] | None, str] | None]:
+        """(the step's StepBatch, None) or (None, failure). ``deferred``: without its logits
+        processors (they come later: ``_Later``)."""
         if out.error is not None:
             return None, (None, out.error)
         try:
@@ -248,12 +266,20 @@ class LLMEngine(OutputViews):
                 self.fault_hook(out)
             batch = build_batch(out, None if deferred else self.processors)
             self._mark()
+            return batch, None
+        except Exception as e:
+            return None, (None, f"{type(e).__name__}: {e}")
+
+    def _start(self, batch: Any, src_rows: np.ndarray | None = None, deferred: bool = False
+               ) -> tuple[Any, tuple[set[int] | None, str] | None]:
+        try:
             launch = getattr(self.executor, "launch", None)  # (a duck-typed executor: execute)
             if deferred:
                 handle = self.executor.launch_deferred(batch, src_rows)
+            elif launch is None:
+                handle = self.executor.execute(batch)
             else:
-                handle = self.executor.execute(batch) if launch is None else launch(batch,
-                                                                                    src_rows)
+                handle = launch(batch, src_rows)
             self._mark()
             return handle, None
         except Exception as e:  # fail this step's requests (or rows) only; keep serving
@@ -274,7 +300,14 @@ class LLMEngine(OutputViews):
         """Async scheduling: plan and launch the step after the one in flight (its input
         tokens come from that step's samples on the device), then complete the one in flight
         while the GPU runs the next. A step that is not a plain decode continuation (admissions,
-        prefills, a failure) ends the pipeline: the next call plans normally."""
+        prefills, a failure) ends the pipeline: the next call plans normally.
+
+        Steps with logits processors pipeline too (``_Later``): their rows (grammar masks, bad
+        words, min_tokens) depend on the tokens of the step before, so step N+1's forward is
+        launched first (``launch_deferred``), its rows are built once N is complete and its
+        grammar masks computed on a worker thread while this thread processes N's outputs and
+        plans N+2; the next call joins them and launches N+1's sampling (``launch_procs``)
+        right before N+2's forward."""
         assert self._pending is not None
         out, handle, failure = self._pending
         self._pending = None
@@ -282,45 +315,72 @@ class LLMEngine(OutputViews):
         nxt = (self.scheduler.schedule_continuation(out, procs=defer) if failure is None
                else None)
         self._mark()
+        deferred, batch, bad = False, None, None
+        if nxt is not None:
+            deferred = self.processors.active and any(s.request.procs for s in nxt.seqs)
+            batch, bad = self._build(nxt, deferred)
+        if isinstance(handle, _Later):  # out's rows are ready (its masks maybe still computing)
+            handle, failure = self._launch_procs(handle)
+            if failure is not None and nxt is not None:
+                self.scheduler.fail_step(nxt, set(), "the step before it failed")
+                nxt = None
         launched = None
-        deferred = False
         if nxt is not None:
             row = {id(s.request): i for i, s in enumerate(out.seqs)}
             src = np.array([row[id(s.request)] for s in nxt.seqs], np.int64)
-            # logits processors (grammar masks, bad words, min_tokens) depend on the tokens of
-            # the step in flight: the next step's forward runs now, its processors come after
-            deferred = self.processors.active and any(s.request.procs for s in nxt.seqs)
-            launched = self._launch(nxt, src, deferred)
+            launched = (None, bad) if bad is not None else self._start(batch, src, deferred)
         step, failure = self._finish(handle, failure)
         if failure is not None and nxt is not None:
             # the next step's inputs are not valid: discard it, give its slots back first
             self._finish(*launched)
             self.scheduler.fail_step(nxt, set(), "the step before it failed")
             nxt = None
-        changed = self._complete(out, step, failure, finished=True)
+        later: list[_Later] = []
+        then = None
+        if nxt is not None and deferred and launched[1] is None:
+            def then() -> None:  # after out's tokens advanced the matchers, before its outputs
+                later.append(self._prepare_later(nxt, launched[0]))
+        changed = self._complete(out, step, failure, finished=True, then=then)
         if nxt is not None:
-            if deferred and launched[1] is None:
-                launched = self._launch_procs(nxt, launched[0])
+            if later:
+                launched = (later[0], None)
             self._pending = (nxt, *launched)
         return changed
 
-    def _launch_procs(self, out: SchedulerOutput, handle: Any
-                      ) -> tuple[Any, tuple[set[int] | None, str] | None]:
-        """A deferred step's logits processors, now that the step before it is complete (a
-        request it finished samples this step unconstrained; its row is dropped)."""
+    def _prepare_later(self, out: SchedulerOutput, handle: Any) -> _Later:
+        """A deferred step's logits processor rows, now that the step before it is complete (a
+        request that step finished samples unconstrained here; its row is dropped); its grammar
+        masks start on the mask thread."""
         try:
             procs = self.processors.prepare([s.request for s in out.seqs])
-            return self.executor.launch_procs(handle, procs), None
+        except Exception as e:  # noqa: BLE001 -- fails this step (``_launch_procs``)
+            return _Later(handle, None, e)
+        if procs is not None and procs.fill is not None:
+            if self._mask_pool is None:
+                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="cuteinfer-masks")
+            procs.fill_async(self._mask_pool.submit)
+        return _Later(handle, procs, None)
+
+    def _launch_procs(self, later: _Later) -> tuple[Any, tuple[set[int] | None, str] | None]:
+        """Launch a deferred step's sampling with its processor rows (``launch_procs``)."""
+        try:
+            if later.error is not None:
+                raise later.error
+            return self.executor.launch_procs(later.handle, later.procs), None
         except Exception as e:  # fail this step's requests (or rows) only; keep serving
-            self.executor.finish(handle)
+            if later.procs is not None:
+                later.procs.fill_masks(wait_only=True)
+            self._finish(later.handle, None)
             rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
             return None, (rows, f"{type(e).__name__}: {e}")
 
     def _complete(self, out: SchedulerOutput, handle: Any,
                   failure: tuple[set[int] | None, str] | None,
-                  finished: bool = False) -> list[Request]:
+                  finished: bool = False, then: Callable[[], None] | None = None
+                  ) -> list[Request]:
         """Wait for a launched step (``finished``: ``handle`` is its output already) and
-        commit its results: tokens, finishes, outputs; or fail it."""
+        commit its results: tokens, finishes, outputs; or fail it. ``then``: called once the
+        tokens are committed and the matchers advanced, before the outputs are processed."""
         step = handle
         if not finished:
             step, failure = self._finish(handle, failure)
@@ -337,6 +397,8 @@ class LLMEngine(OutputViews):
         changed = self.scheduler.update_from_output(out, step)
         self.processors.after_step(out, self.scheduler.finish, FinishReason.STOP,
                                    FinishReason.ERROR)  # matchers take the sampled tokens
+        if then is not None:
+            then()
         if self.process_outputs:
             self.output_processor.process(changed)
         return changed

@@ -8,7 +8,7 @@ nothing of requests. The scheduler's output is flattened into a ``StepBatch`` by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -116,10 +116,25 @@ class ProcessorRows:
     # computes grammar_mask in place; deferred so that the cuda executor can run it while the
     # GPU runs the step's forward (``fill_masks``: every reader of grammar_mask calls it first)
     fill: Callable[[], None] | None = None
+    _future: Any = None  # fill running elsewhere (fill_async)
 
-    def fill_masks(self) -> None:
-        """The grammar bitmasks, computed now (once)."""
+    def fill_async(self, submit: Callable[[Callable[[], None]], Any]) -> None:
+        """Start the masks on another thread (``submit``: an executor's; llguidance releases
+        the GIL); ``fill_masks`` then waits for them."""
         if self.fill is not None:
+            fill, self.fill = self.fill, None
+            self._future = submit(fill)
+
+    def fill_masks(self, wait_only: bool = False) -> None:
+        """The grammar bitmasks, computed now (once), or waited for (``wait_only``: only
+        wait for a computation started by ``fill_async``, ignoring its error)."""
+        if self._future is not None:
+            fut, self._future = self._future, None
+            if wait_only:
+                fut.exception()
+            else:
+                fut.result()
+        if self.fill is not None and not wait_only:
             fill, self.fill = self.fill, None
             fill()
 

@@ -344,3 +344,29 @@ def test_structured_output_pipelines_and_equals_synchronous(chat_dir: Path) -> N
     assert seen[0] > 0
     assert not llm.engine.processors.active
     _no_pages_left(llm)
+
+
+def test_a_deferred_step_that_fails_fails_only_its_requests(tiny: Path) -> None:
+    """``launch_procs`` raising (a processor row the executor refuses) fails that step's
+    requests with the error; the engine serves on and leaves no page or slot behind."""
+    llm = LLM(str(tiny), backend="numpy", async_scheduling=True)
+    ex = llm.engine.executor
+    inner, calls = ex.launch_procs, [0]
+
+    def flaky(handle, procs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected")
+        return inner(handle, procs)
+
+    ex.launch_procs = flaky
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    outs = llm.generate([[5, 6, 7], [8, 9, 10]], [sp, sp])
+    assert all(o.outputs[0].finish_reason == "error" for o in outs), outs
+    assert "injected" in (outs[0].outputs[0].error or "")
+    ex.launch_procs = inner
+    again = llm.generate([[5, 6, 7]], [sp])[0]
+    want = LLM(str(tiny), backend="numpy", async_scheduling=False).generate([[5, 6, 7]], [sp])[0]
+    assert again.outputs[0].token_ids == want.outputs[0].token_ids
+    _no_pages_left(llm)
+    assert not llm.engine.processors.active and not llm.engine.processors.pool.holders

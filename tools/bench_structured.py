@@ -94,6 +94,9 @@ def main() -> None:
     eng._bench_acc = acc = {}
     _Timed(acc, "execute", eng.executor, "execute")
     _Timed(acc, "launch_procs", eng.executor, "launch_procs")
+    _Timed(acc, "launch_deferred", eng.executor, "launch_deferred")
+    _Timed(acc, "finish", eng.executor, "finish")
+    _Timed(acc, "outputs", eng.output_processor, "process")
     _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks")
     _Timed(acc, "prepare", eng.processors, "prepare")
     _Timed(acc, "after_step", eng.processors, "after_step")
