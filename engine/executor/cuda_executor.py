@@ -654,6 +654,7 @@ class CudaExecutor(Executor):
         for p in self._pinned or []:
             p.close()
         self._pinned = None
+        self.buf.procs.close()
         if self.staged is not None:
             self.staged.close()
             self.staged = None

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.cuda.driver import DeviceBuffer, Stream
+from engine.cuda.driver import DeviceBuffer, Event, PinnedBuffer, Stream
 from engine.executor.base import ExecutorError
 from engine.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from engine.step import FLAG_GRAMMAR, FLAG_SAVE_RAW, ProcessorRows
@@ -58,6 +58,12 @@ class ProcessorBuffers:
         self.flags.fill_bytes(0, stream)
         self.counted.fill_bytes(0, stream)
         self.clear = True  # flags all zero: a step without processors uploads nothing
+        # the grammar masks go up from pinned memory, double-buffered: a pageable copy this
+        # size (rows x V/8 bytes) blocks the host until the stream reaches it, which would
+        # serialize the host with the forward it overlaps (async scheduling)
+        self._mask_pin: list[PinnedBuffer] = []
+        self._mask_ev: list[Event] = []
+        self._mask_flip = 0
         self.grammar_flags: np.ndarray | None = None  # set when a logprob row needs raw logits
 
     def stage(self, rows: ProcessorRows | None, num_rows: int, stream: Stream) -> None:
@@ -86,7 +92,7 @@ class ProcessorBuffers:
         self.penalties.upload(rows.penalties, stream)
         self.grammar_row.upload(rows.grammar_row, stream)
         if rows.grammar_mask.shape[0]:
-            self.gmask.upload(rows.grammar_mask, stream)
+            self._upload_masks(rows.grammar_mask, stream)
         self.sparse_start.upload(rows.sparse_start, stream)
         if k:
             self.sparse_ids.upload(rows.sparse_ids, stream)
@@ -94,6 +100,23 @@ class ProcessorBuffers:
         if (rows.flags & FLAG_SAVE_RAW).any():
             self.grammar_flags = np.concatenate([rows.flags & FLAG_GRAMMAR,
                                                  np.zeros(max(pad, 0), np.uint32)])
+
+    def _upload_masks(self, mask: np.ndarray, stream: Stream) -> None:
+        if not self._mask_pin:
+            self._mask_pin = [PinnedBuffer((self.rows, self.words), np.uint32) for _ in range(2)]
+            self._mask_ev = [Event(timing=False) for _ in range(2)]
+        k = self._mask_flip
+        self._mask_flip ^= 1
+        self._mask_ev[k].synchronize()  # its copy of two steps ago is done (nearly always)
+        pin = self._mask_pin[k].array[:mask.shape[0]]
+        np.copyto(pin, mask)
+        self.gmask.upload(pin, stream)
+        self._mask_ev[k].record(stream)
+
+    def close(self) -> None:
+        for p in self._mask_pin:
+            p.close()
+        self._mask_pin = []
 
     def _init_slot(self, init: Any, stream: Stream) -> None:
         s, v, w = init.slot, self.vocab, self.words
