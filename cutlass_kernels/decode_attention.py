@@ -1,4 +1,5 @@
-"""Paged decode attention: one query token per sequence, GQA, split-KV with a log-sum-exp combine.
+"""Paged decode attention: one query token per sequence, GQA, split-KV with a fused log-sum-exp
+combine.
 
     out[b, qh] = softmax_t(q[b, qh] . K[b, kvh, t] * scale) @ V[b, kvh, t],  t < context_lens[b]
 
@@ -9,7 +10,7 @@ tile of K and V once and serves all nq/nkv query heads that share it. Split j of
 pages [j * pps, min((j + 1) * pps, n_pages)) with n_pages = ceil(ctx / page_size) and
 pps = ceil(n_pages / num_splits), computed on the device from context_lens, so the grid depends
 only on (B, num_splits), both frozen per CUDA-graph bucket. A split with no pages writes m = -inf,
-l = 0, o = 0 and the combine weights it by 0.
+l = 0, o = 0; the combine skips it (splits j >= ceil(n_pages / pps) are the empty ones).
 
 KV cache, per layer, K and V separately (docs/kernels.md):
 
@@ -25,12 +26,26 @@ and later reads only them, so the main loop needs no block barrier. Each row gro
 of one r) keeps its own online-softmax state (m, l, o[8] per query head); the groups merge through
 shared memory at the end.
 
-Outputs: num_splits == 1: out bf16[B, nq * hd] directly. num_splits > 1: the workspace (fp32,
-`decode_workspace_bytes`) holds o_partial[B, nq, S, hd] (unnormalized) followed by
-ml[B, nq, S, 2] (running max in log2 units, sum of exponentials), and a combine kernel (one warp
-per (b, qh)) merges the splits and writes out. Padding rows (context 1, page 0) compute garbage-free
-results like any other row. Constraints: head_dim in {64, 128}, page_size 16, nq % nkv == 0,
-nq / nkv <= 8, context_lens >= 1, pointers 16-byte aligned.
+Outputs: num_splits == 1: out bf16[B, nq * hd] directly. num_splits > 1, one kernel (one graph
+node): the workspace (`decode_workspace_bytes`) holds
+
+    o_partial f32[B, nq, S, hd] (unnormalized) | ml f32[B, nq, S, 2] (running max in log2
+    units, sum of exponentials) | ... | counters int32[B * nkv] (index b * nkv + kvh) at
+    split_counters_offset(workspace bytes): a place fixed per buffer, past every launch's partials
+
+Each split CTA writes its partials, fences (release, gpu scope) and adds 1 to its (b, kvh)
+counter (acq_rel); the CTA that reads S - 1, the last to arrive, fences (acquire), merges the
+non-empty splits in split order 0, 1, ... (so the bits do not depend on which CTA came last: graph
+replay and eager agree), writes out and sets the counter back to 0. The counters must be zero
+before the first launch (the executor zeroes the workspace once); every launch leaves them zero.
+No CTA waits for another, so PDL successors sharing the SMs cannot deadlock it. The merge is the
+same fp32 arithmetic as the separate combine kernel it replaced (`fused=False`, kept for
+comparison): max of m, the sum of l * 2^(m - max) per lane (splits j, j + 32) then a butterfly,
+o summed over splits in order, times 1 / l.
+Padding rows (context 1, page 0) compute garbage-free results like any other row. Constraints:
+head_dim in {64, 128}, page_size 16, nq % nkv == 0, nq / nkv <= 8, context_lens >= 1,
+num_splits <= MAX_SPLITS, a split launch's workspace a buffer with .nbytes, pointers 16-byte
+aligned.
 
     launch = compile_decode_attention(nq, nkv, hd)
     launch(q, k_cache, v_cache, page_indices, context_lens, out, workspace,   # buffers / addrs
@@ -50,17 +65,19 @@ from cutlass_kernels.decode_plan import (  # noqa: F401  (re-exported: the plan'
     MIN_PAGES_PER_SPLIT,
     choose_num_splits,
     decode_workspace_bytes,
+    split_counters_offset,
 )
 
 LOG2_E = 1.4426950408889634
 NUM_THREADS = 128
 COMBINE_WARPS = 4
 DEFAULT_STAGES = 4
+MERGE_VEC = 4  # fused merge: fp32 values per thread and step
 
 
 class DecodeAttention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
-                 split: bool = False, num_stages: int = DEFAULT_STAGES):
+                 split: bool = False, num_stages: int = DEFAULT_STAGES, fused: bool = True):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if page_size != 16:
@@ -74,6 +91,7 @@ class DecodeAttention:
         self.ps = page_size
         self.group = num_q_heads // num_kv_heads
         self.split = split
+        self.fused = fused  # split only: the combine in this kernel (else a second kernel)
         self.stages = num_stages
         self.chunks = head_dim // 8  # 16-byte chunks per token row = threads per row group
         self.rows = NUM_THREADS // self.chunks  # row groups (tokens per pass)
@@ -83,12 +101,14 @@ class DecodeAttention:
         # reuses after the main loop (hd 64 with 8 heads per kv head needs more than the ring)
         self.smem_elems = max(2 * num_stages * page_size * head_dim,
                               2 * self.rows * self.group * head_dim)
+        assert self.smem_elems >= 2 * self.group * (MAX_SPLITS + 1)  # the fused merge's weights
 
     @cute.jit
     def __call__(self, q: cute.Pointer, k_cache: cute.Pointer, v_cache: cute.Pointer,
                  page_indices: cute.Pointer, context_lens: cute.Pointer, out: cute.Pointer,
-                 workspace: cute.Pointer, batch: cutlass.Int32, page_stride: cutlass.Int32,
-                 num_splits: cutlass.Int32, scale: cutlass.Float32, stream: cuda.CUstream):
+                 workspace: cute.Pointer, counters: cute.Pointer, batch: cutlass.Int32,
+                 page_stride: cutlass.Int32, num_splits: cutlass.Int32, scale: cutlass.Float32,
+                 stream: cuda.CUstream):
         nq, hd, ch = self.nq, self.hd, self.chunks
         # (b, qh, chunk, 8) views of q and out: 16-byte vectors per (row, chunk)
         mQ = cute.make_tensor(q, cute.make_layout((batch, nq, ch, 8),
@@ -98,13 +118,22 @@ class DecodeAttention:
         mPT = cute.make_tensor(page_indices, cute.make_layout((batch, page_stride),
                                                               stride=(page_stride, 1)))
         mCtx = cute.make_tensor(context_lens, cute.make_layout(batch))
-        # workspace: o_partial[B, nq, S, hd] then ml[B, nq, S, 2]
+        # workspace: o_partial[B, nq, S, hd], ml[B, nq, S, 2]; the counters[B, nkv] elsewhere
+        mCnt = cute.make_tensor(counters, cute.make_layout((batch, self.nkv),
+                                                           stride=(self.nkv, 1)))
+        s_hd = cute.assume(num_splits * hd, divby=hd)  # 16-byte rows: vector loads / stores
+        b_hd = cute.assume(nq * num_splits * hd, divby=nq * hd)
         mWo = cute.make_tensor(workspace, cute.make_layout(
-            (batch, nq, num_splits, ch, 8),
-            stride=(nq * num_splits * hd, num_splits * hd, hd, 8, 1)))
+            (batch, nq, num_splits, ch, 8), stride=(b_hd, s_hd, hd, 8, 1)))
+        nv = hd // MERGE_VEC
+        mWo4 = cute.make_tensor(workspace, cute.make_layout(
+            (batch, nq, num_splits, nv, MERGE_VEC), stride=(b_hd, s_hd, hd, MERGE_VEC, 1)))
+        mO4 = cute.make_tensor(out, cute.make_layout((batch, nq, nv, MERGE_VEC),
+                                                     stride=(nq * hd, hd, MERGE_VEC, 1)))
         ml_off = cute.assume(batch * nq * num_splits * hd, divby=8)
         mWml = cute.make_tensor(workspace + ml_off, cute.make_layout(
-            (batch, nq, num_splits, 2), stride=(nq * num_splits * 2, num_splits * 2, 2, 1)))
+            (batch, nq, num_splits, 2), stride=(cute.assume(nq * num_splits * 2, divby=2),
+                                                cute.assume(num_splits * 2, divby=2), 2, 1)))
 
         copy_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.BFloat16,
@@ -116,12 +145,13 @@ class DecodeAttention:
             sKV: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.smem_elems], 128]
             sML: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, self.rows * self.group * 2], 16]
+            sFlag: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
 
-        self.kernel(mQ, k_cache, v_cache, mPT, mCtx, mO, mWo, mWml, num_splits,
-                    scale * LOG2_E, copy_atom, SharedStorage).launch(
+        self.kernel(mQ, k_cache, v_cache, mPT, mCtx, mO, mWo, mWml, mCnt, mWo4, mO4,
+                    num_splits, scale * LOG2_E, copy_atom, SharedStorage).launch(
             grid=[self.nkv, num_splits, batch], block=[NUM_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream)
-        if cutlass.const_expr(self.split):
+        if cutlass.const_expr(self.split and not self.fused):
             units = batch * nq
             vpl = hd // 32  # combine: lane owns dims [lane * vpl, lane * vpl + vpl)
             mWo_c = cute.make_tensor(workspace, cute.make_layout(
@@ -136,7 +166,8 @@ class DecodeAttention:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, k_cache: cute.Pointer, v_cache: cute.Pointer,
                mPT: cute.Tensor, mCtx: cute.Tensor, mO: cute.Tensor, mWo: cute.Tensor,
-               mWml: cute.Tensor, num_splits: cutlass.Int32, scale_log2: cutlass.Float32,
+               mWml: cute.Tensor, mCnt: cute.Tensor, mWo4: cute.Tensor, mO4: cute.Tensor,
+               num_splits: cutlass.Int32, scale_log2: cutlass.Float32,
                copy_atom: cute.CopyAtom, SharedStorage: cutlass.Constexpr):
         cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         G, ch, rows, ps, hd = self.group, self.chunks, self.rows, self.ps, self.hd
@@ -159,6 +190,7 @@ class DecodeAttention:
         kv_elems = self.stages * ps * hd
         sKV = storage.sKV.get_tensor(cute.make_layout(self.smem_elems))
         sML = storage.sML.get_tensor(cute.make_layout((rows, G, 2), stride=(G * 2, 2, 1)))
+        sFlag = storage.sFlag.get_tensor(cute.make_layout(4))
         stage_layout = cute.make_layout((self.stages, ps, ch, 8),
                                         stride=(ps * hd, hd, 8, 1))
         sK = cute.make_tensor(sKV.iterator, stage_layout)
@@ -179,16 +211,19 @@ class DecodeAttention:
         rAcc.fill(0.0)
         rS = cute.make_rmem_tensor((G, self.passes), f32)
 
-        # cp.async ring: group g <-> page p_begin + g. The page index for the next issue is
-        # loaded one iteration ahead, so its latency hides behind a page of compute.
+        # cp.async ring: group g <-> page p_begin + g. The ring's first page indices are
+        # loaded together, unpredicated (clamped to a valid column, also for an empty split),
+        # so their latencies overlap instead of chaining before each issue; later ones are
+        # loaded one iteration ahead, so their latency hides behind a page of compute.
+        last_col = cutlass.max(n_pages - 1, 0)
+        rPg = cute.make_rmem_tensor(self.stages, cutlass.Int32)
+        for s in cutlass.range_constexpr(self.stages):
+            rPg[s] = mPT[b, cutlass.min(p_begin + s, last_col)]
         for s in cutlass.range_constexpr(self.stages - 1):
             if s < n_iter:
-                self.issue(k_cache, v_cache, sK, sV, copy_atom, mPT[b, p_begin + s], kvh, r, c,
-                           s)
+                self.issue(k_cache, v_cache, sK, sV, copy_atom, rPg[s], kvh, r, c, s)
             cute.arch.cp_async_commit_group()
-        next_page = cutlass.Int32(0)
-        if self.stages - 1 < n_iter:
-            next_page = mPT[b, p_begin + self.stages - 1]
+        next_page = rPg[self.stages - 1]
 
         for it in cutlass.range(n_iter, unroll=1):
             nxt = it + (self.stages - 1)
@@ -269,6 +304,85 @@ class DecodeAttention:
                 inv = 0.0 if l_all == 0.0 else 1.0 / l_all
                 mO[b, qh, cc, None].store((o.load() * inv).to(cutlass.BFloat16))
 
+        if cutlass.const_expr(self.split and self.fused):
+            # release this CTA's partials (each writer fences its own), then count it in
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_threads()
+            if tidx == 0:
+                sFlag[0] = cute.arch.atomic_add(mCnt.iterator + (b * self.nkv + kvh),
+                                                cutlass.Int32(1), sem="acq_rel", scope="gpu")
+            cute.arch.sync_threads()
+            if sFlag[0] == num_splits - 1:  # the last of the S splits: every partial is out
+                cute.arch.fence_acq_rel_gpu()
+                n_active = cutlass.max((n_pages + pps - 1) // cutlass.max(pps, 1), 1)
+                self.merge(mWo4, mWml, mO4, sKV, b, kvh, n_active, tidx)
+                if tidx == 0:
+                    mCnt[b, kvh] = cutlass.Int32(0)  # ready for the next launch (graph replay)
+
+    @cute.jit
+    def merge(self, mWo4: cute.Tensor, mWml: cute.Tensor, mO4: cute.Tensor, sKV: cute.Tensor,
+              b: cutlass.Int32, kvh: cutlass.Int32, n_active: cutlass.Int32,
+              tidx: cutlass.Int32):
+        """The last split CTA of (b, kvh): out[b, qh] for its G heads from splits
+        [0, n_active) (the rest are empty: weight 0 in the separate combine, which adds exact
+        zeros). The arithmetic and its order are combine_kernel's, element for element."""
+        G, hd = self.group, self.hd
+        f32 = cutlass.Float32
+        neg_inf = -cutlass.Float32.inf
+        slots = MAX_SPLITS // 32
+        # the K/V ring is free (every thread is past the barriers after the main loop)
+        sW = cute.make_tensor(cute.recast_ptr(sKV.iterator, dtype=f32),
+                              cute.make_layout((G, MAX_SPLITS), stride=(MAX_SPLITS, 1)))
+        sInv = cute.make_tensor(cute.recast_ptr(sKV.iterator, dtype=f32) + G * MAX_SPLITS,
+                                cute.make_layout(G))
+        warp = tidx // 32
+        lane = tidx % 32
+        # weights 2^(m_j - max) and 1 / l: one warp per head, lane owns splits lane, lane + 32
+        for hw in cutlass.range_constexpr((G + NUM_THREADS // 32 - 1) // (NUM_THREADS // 32)):
+            h = warp + hw * (NUM_THREADS // 32)
+            if h < G:
+                qh = kvh * G + h
+                rMj = cute.make_rmem_tensor(slots, f32)
+                rLj = cute.make_rmem_tensor(slots, f32)
+                m_all = neg_inf
+                for s in cutlass.range_constexpr(slots):
+                    rMj[s] = neg_inf
+                    rLj[s] = 0.0
+                    if lane + 32 * s < n_active:
+                        rMj[s] = mWml[b, qh, lane + 32 * s, 0]
+                        rLj[s] = mWml[b, qh, lane + 32 * s, 1]
+                    m_all = cute.arch.fmax(m_all, rMj[s])
+                for sh in cutlass.range_constexpr(5):
+                    m_all = cute.arch.fmax(m_all, cute.arch.shuffle_sync_bfly(m_all,
+                                                                               offset=16 >> sh))
+                m_use = 0.0 if m_all == neg_inf else m_all
+                l_all = cutlass.Float32(0.0)
+                for s in cutlass.range_constexpr(slots):
+                    if lane + 32 * s < n_active:
+                        w = cute.math.exp2(rMj[s] - m_use, fastmath=True)
+                        l_all = l_all + rLj[s] * w
+                        sW[h, lane + 32 * s] = w
+                for sh in cutlass.range_constexpr(5):
+                    l_all = l_all + cute.arch.shuffle_sync_bfly(l_all, offset=16 >> sh)
+                if lane == 0:
+                    sInv[h] = 0.0 if l_all == 0.0 else 1.0 / l_all
+        cute.arch.sync_threads()
+        # o: thread owns MERGE_VEC dims of one head, summed over the splits in order
+        nv = hd // MERGE_VEC
+        units = G * nv
+        for i in cutlass.range_constexpr((units + NUM_THREADS - 1) // NUM_THREADS):
+            u = tidx + i * NUM_THREADS
+            if u < units:
+                h = u // nv
+                v = u % nv
+                qh = kvh * G + h
+                acc = cute.make_rmem_tensor(MERGE_VEC, f32)
+                acc.fill(0.0)
+                # unrolled: the loads of several splits are in flight at once
+                for j in cutlass.range(n_active, unroll=8):
+                    acc.store(acc.load() + mWo4[b, qh, j, v, None].load() * sW[h, j])
+                mO4[b, qh, v, None].store((acc.load() * sInv[h]).to(cutlass.BFloat16))
+
     @cute.jit
     def issue(self, k_cache: cute.Pointer, v_cache: cute.Pointer, sK: cute.Tensor,
               sV: cute.Tensor, copy_atom: cute.CopyAtom, page: cutlass.Int32,
@@ -326,6 +440,7 @@ class DecodeAttention:
 SIGNATURE = Signature(
     Ptr("q", "bf16"), Ptr("k_cache", "bf16"), Ptr("v_cache", "bf16"), Ptr("page_indices", "i32"),
     Ptr("context_lens", "i32"), Ptr("out", "bf16"), Ptr("workspace", "f32"),
+    Ptr("counters", "i32"),
     Scalar("batch", cutlass.Int32), Scalar("page_stride", cutlass.Int32),
     Scalar("num_splits", cutlass.Int32), Scalar("scale", cutlass.Float32, fake=1.0))
 
@@ -347,35 +462,48 @@ class DecodeAttentionLauncher:
                         ("num_splits", num_splits)):
             if not isinstance(v, int) or v < 1:
                 raise _common.KernelArgError(f"{name} must be a positive int, got {v!r}")
+        if num_splits > MAX_SPLITS:
+            raise _common.KernelArgError(f"num_splits={num_splits}: at most {MAX_SPLITS}")
+        if num_splits == 1:
+            unused = Unused(out)
+            self._single(q, k_cache, v_cache, page_indices, context_lens, out, unused, unused,
+                         batch, page_stride, num_splits, scale, stream)
+            return
         need = decode_workspace_bytes(batch, self.nq, self.hd, num_splits)
-        if need and (workspace is None or getattr(workspace, "nbytes", need) < need):
-            raise _common.KernelArgError(f"num_splits={num_splits} needs a workspace of {need} "
-                                         "bytes (decode_workspace_bytes)")
-        kernel = self._split if num_splits > 1 else self._single
-        kernel(q, k_cache, v_cache, page_indices, context_lens, out,
-               Unused(out) if workspace is None else workspace, batch, page_stride, num_splits,
-               scale, stream)
+        nbytes = getattr(workspace, "nbytes", None)
+        if nbytes is None or nbytes < need:
+            raise _common.KernelArgError(
+                f"num_splits={num_splits} needs a workspace buffer (.ptr, .nbytes) of {need} "
+                f"bytes (decode_workspace_bytes), got {workspace!r}")
+        # the counters' place depends on the buffer's size only (decode_plan.py)
+        counters = _common.addr(workspace) + split_counters_offset(nbytes)
+        self._split(q, k_cache, v_cache, page_indices, context_lens, out, workspace, counters,
+                    batch, page_stride, num_splits, scale, stream)
 
 
 def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool,
-             num_stages: int) -> _common.Kernel:
-    op = DecodeAttention(nq, nkv, head_dim, page_size, split=split, num_stages=num_stages)
+             num_stages: int, fused: bool = True) -> _common.Kernel:
+    op = DecodeAttention(nq, nkv, head_dim, page_size, split=split, num_stages=num_stages,
+                         fused=fused)
     return SIGNATURE.compile(op)
 
 
 def compile_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
-                             page_size: int = 16,
-                             num_stages: int = DEFAULT_STAGES) -> DecodeAttentionLauncher:
-    """Compile (once per shape) the single-split and the split + combine variants.
-    ``num_stages``: pages in the cp.async ring (``num_stages - 1`` in flight per CTA)."""
+                             page_size: int = 16, num_stages: int = DEFAULT_STAGES,
+                             fused: bool = True) -> DecodeAttentionLauncher:
+    """Compile (once per shape) the single-split and the split variants.
+    ``num_stages``: pages in the cp.async ring (``num_stages - 1`` in flight per CTA).
+    ``fused=False``: the split variant as two kernels (partials, then a combine kernel), the
+    design the fused one replaced, for comparison (same bits, one more graph node)."""
     if not 2 <= num_stages <= 16:
         raise ValueError(f"num_stages must be in [2, 16], got {num_stages}")
-    key = ("decode_attention", num_q_heads, num_kv_heads, head_dim, page_size, num_stages)
+    key = ("decode_attention", num_q_heads, num_kv_heads, head_dim, page_size, num_stages,
+           fused)
 
     def build() -> DecodeAttentionLauncher:
         return DecodeAttentionLauncher(
             num_q_heads, num_kv_heads, head_dim, page_size,
             _compile(num_q_heads, num_kv_heads, head_dim, page_size, False, num_stages),
-            _compile(num_q_heads, num_kv_heads, head_dim, page_size, True, num_stages))
+            _compile(num_q_heads, num_kv_heads, head_dim, page_size, True, num_stages, fused))
 
     return _common.cached_compile(key, build)

@@ -4,15 +4,29 @@ executor can plan memory while the DSL still loads."""
 
 from __future__ import annotations
 
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # the fused combine gives each lane at most MAX_SPLITS / 32 splits
 MIN_PAGES_PER_SPLIT = 8
+ALIGN = 128  # bytes
 
 
 def decode_workspace_bytes(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
-    """Bytes of fp32 workspace a decode launch with `num_splits` > 1 needs (0 when 1 split)."""
+    """Bytes of workspace a decode launch with `num_splits` > 1 needs (0 when 1 split): fp32
+    partials from its start, and room past them (1/128 of them, plus 2 * ALIGN) for the split
+    counters (`split_counters_offset`), zero before the first launch."""
     if num_splits <= 1:
         return 0
-    return 4 * batch * num_q_heads * num_splits * (head_dim + 2)
+    partials = 4 * batch * num_q_heads * num_splits * (head_dim + 2)
+    return -(-(partials + partials // 128 + 2 * ALIGN) // ALIGN) * ALIGN
+
+
+def split_counters_offset(workspace_nbytes: int) -> int:
+    """Where the split counters (int32, one per (sequence, kv head)) start in a workspace of
+    this many bytes: its last 1/129, ALIGN-aligned. The place depends on the buffer alone, not
+    on a launch's batch or split count, so no launch writes partials over a counter: for every
+    launch with decode_workspace_bytes(...) <= workspace_nbytes, its partials end at or before
+    this offset and its B * nkv counters (nkv <= nq, splits >= 2: at most 1/132 of its
+    partials' bytes) fit after it. Zeroed once, they stay zero (each launch resets its own)."""
+    return (workspace_nbytes - workspace_nbytes // 129) // ALIGN * ALIGN
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,

@@ -9,6 +9,7 @@ with a naive per-token loop.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -29,6 +30,36 @@ def test_decode_attention_compiles(shape):
     assert compile_decode_attention(*shape) is launcher  # cached on the compile-time key
 
 
+def _decode_ptx(tmp_path, monkeypatch, shape, fused: bool) -> str:
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutlass_kernels.decode_attention import SIGNATURE, DecodeAttention
+
+    # --keep-ptx writes into the DSL's dump dir: point it at tmp_path
+    monkeypatch.setattr(cutlass.base_dsl.BaseDSL._get_dsl().envar, "dump_dir", str(tmp_path))
+    op = DecodeAttention(*shape, split=True, fused=fused)
+    return cute.compile(op, *SIGNATURE.fake_args(), options="--keep-ptx").__ptx__
+
+
+# qwen3-0.6b, qwen3-8b, a head_dim 64 shape (GQA 3); the split count is a runtime argument
+@pytest.mark.parametrize("shape", [(16, 8, 128), (32, 8, 128), (9, 3, 64)])
+def test_fused_split_decode_is_one_kernel(tmp_path, monkeypatch, shape):
+    """The split-KV variant is one kernel (one graph node): partials, a release fence, an
+    acq_rel counter increment, the last CTA's acquire fence and merge (vector loads of the
+    partials), the counter reset; nothing spilled."""
+    ptx = _decode_ptx(tmp_path, monkeypatch, shape, fused=True)
+    assert ".target sm_90a" in ptx
+    assert ptx.count(".entry ") == 1
+    assert len(re.findall(r"atom\.global\.acq_rel(\.gpu)?\.add\.u32", ptx)) == 1
+    assert ptx.count("fence.acq_rel.gpu") == 2  # release before the count, acquire after
+    assert "ld.global.v4.b32" in ptx  # the merge reads 16-byte vectors of partials
+    assert "st.global.b32" in ptx  # the counter reset
+    assert not re.search(r"\b(ld|st)\.local", ptx)
+    separate = _decode_ptx(tmp_path, monkeypatch, shape, fused=False)
+    assert separate.count(".entry ") == 2 and "atom.global" not in separate
+
+
 @pytest.mark.parametrize("shape", MODEL_SHAPES + TEST_SHAPES)
 def test_prefill_attention_compiles(shape):
     from cutlass_kernels.prefill_attention import compile_prefill_attention
@@ -45,7 +76,10 @@ def test_decode_helpers():
     )
 
     assert decode_workspace_bytes(4, 32, 128, 1) == 0
-    assert decode_workspace_bytes(4, 32, 128, 3) == 4 * 4 * 32 * 3 * 130
+    partials = 4 * 4 * 32 * 3 * 130  # fp32 o and (m, l), then room for the counters
+    assert decode_workspace_bytes(4, 32, 128, 3) == -(-(partials * 129 // 128 + 256) // 128) * 128
+    for splits in range(2, MAX_SPLITS + 1):
+        assert decode_workspace_bytes(1, 16, 64, splits) % 128 == 0
     for batch in (1, 2, 8, 64, 256):
         for ctx in (1, 16, 100, 1024, 4096, 40960):
             s = choose_num_splits(batch, 8, ctx)
@@ -63,12 +97,29 @@ def test_decode_helpers():
 
 def test_launchers_reject_bad_arguments():
     from cutlass_kernels._common import KernelArgError
-    from cutlass_kernels.decode_attention import compile_decode_attention
+    from cutlass_kernels.decode_attention import (
+        MAX_SPLITS,
+        compile_decode_attention,
+        decode_workspace_bytes,
+    )
     from cutlass_kernels.prefill_attention import compile_prefill_attention
 
     dec = compile_decode_attention(16, 8, 128)
     with pytest.raises(KernelArgError):  # split launch without a workspace
         dec(16, 16, 16, 16, 16, 16, None, 1, 4, 2, 0.1, None)
+
+    class Buf:  # a device buffer's interface, never launched on
+        def __init__(self, nbytes):
+            self.ptr, self.nbytes = 16, nbytes
+
+    for splits in range(2, MAX_SPLITS + 1):  # a workspace one word short of the plan
+        with pytest.raises(KernelArgError, match="workspace"):
+            dec(16, 16, 16, 16, 16, 16, Buf(decode_workspace_bytes(3, 16, 128, splits) - 4), 3,
+                4, splits, 0.1, None)
+    with pytest.raises(KernelArgError, match="workspace buffer"):  # an address: size unknown
+        dec(16, 16, 16, 16, 16, 16, 1 << 20, 1, 4, 2, 0.1, None)
+    with pytest.raises(KernelArgError, match="at most"):
+        dec(16, 16, 16, 16, 16, 16, Buf(1 << 30), 1, 4, MAX_SPLITS + 1, 0.1, None)
     with pytest.raises(KernelArgError):  # misaligned pointer
         dec(18, 16, 16, 16, 16, 16, None, 1, 4, 1, 0.1, None)
     with pytest.raises(KernelArgError):
@@ -76,6 +127,32 @@ def test_launchers_reject_bad_arguments():
     pre = compile_prefill_attention(16, 8, 128)
     with pytest.raises(KernelArgError):
         pre(16, 16, 16, 16, 16, 16, 16, 4, 1, 4, 0, 0.1, None)
+
+
+def test_split_counters_never_overlap_partials():
+    """One workspace serves launches of any batch and split count (the executor's buckets,
+    mixed and verify steps): sized for the largest, its counters (at a place fixed by its size)
+    lie past every launch's partials, and each launch's B * nkv counters fit."""
+    from cutlass_kernels.decode_plan import (
+        MAX_SPLITS,
+        decode_workspace_bytes,
+        split_counters_offset,
+    )
+
+    rng = np.random.default_rng(0)
+    for _ in range(20000):
+        nq = int(rng.choice([1, 3, 8, 9, 16, 32, 64]))
+        nkv = int(rng.choice([d for d in range(1, nq + 1) if nq % d == 0]))
+        hd = int(rng.choice([64, 128]))
+        plans = [(int(rng.integers(1, 4097)), int(rng.integers(2, MAX_SPLITS + 1)))
+                 for _ in range(int(rng.integers(1, 5)))]
+        nbytes = max(decode_workspace_bytes(b, nq, hd, s) for b, s in plans)
+        nbytes += 4 * int(rng.integers(0, 3))  # a larger buffer works too
+        off = split_counters_offset(nbytes)
+        assert off % 128 == 0
+        for b, s in plans:
+            assert 4 * b * nq * s * (hd + 2) <= off  # partials end before the counters
+            assert off + 4 * b * nkv <= nbytes  # the launch's counters fit
 
 
 # ---- references against a naive per-token loop ------------------------------------------------

@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             for splits in splits_set:
                 ws = device_array(max(1, decode_workspace_bytes(batch, nq, hd, splits) // 4),
                                   np.float32)
+                ws.fill_bytes(0, st)  # the split counters start at zero (decode_attention.py)
 
                 fixed = (q, k, v, table, lens, out, ws, batch, ppseq, splits, hd ** -0.5,
                          st.handle)

@@ -386,6 +386,9 @@ class StepBuffers:
         self.rows = a((r, h), BF16, "rows")
         self.logits = a((r, p.vocab), np.float32, "logits")  # columns past vocab_size: unread
         self.workspace = a(max(workspace // 4, 1), np.float32, "attn_workspace")
+        # decode attention's split counters (its tail: decode_plan.split_counters_offset) start
+        # at zero; every launch leaves them so
+        self.workspace.fill_bytes(0, stream)
         # a mixed step's prefill sequences, from offset 0 (CudaExecutor.stage_mixed: its
         # one-token rows run in the decode kernel, the rest in the prefill kernel, whose
         # per-sequence arrays must start 16-byte aligned)

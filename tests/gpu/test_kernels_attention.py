@@ -73,7 +73,8 @@ def _check(got: np.ndarray, want: np.ndarray, hd: int, what: str) -> None:
 
 # ---- decode --------------------------------------------------------------------------------
 
-# (name, context lengths, num_splits, padding rows)
+# (name, context lengths, num_splits, padding rows). Split j of a sequence covers pages
+# [j * pps, (j + 1) * pps), pps = ceil(pages / splits): short contexts leave most splits empty.
 DECODE_CASES = [
     ("ctx1", [1], 1, ()),
     ("one_page", [16], 1, ()),
@@ -81,44 +82,168 @@ DECODE_CASES = [
     ("b3_edges", [1, 16, 17], 1, ()),
     ("b3_padding_row", [33, 1, 250], 1, (1,)),
     ("b3_nonmult", [5, 47, 100], 1, ()),
+    ("split2_ctx1", [1], 2, ()),
+    ("split5_b4_edges", [1, 15, 16, 17], 5, ()),  # one or two pages: 3-4 of 5 splits empty
+    ("split8_b1_ctx1024", [1024], 8, ()),  # qwen3-8b's batch-1 plan at context 1024
+    ("split33_b1_ctx1024", [1024], 33, ()),  # max_model_len 40960's plan: 1 empty split
     ("split7_mid_page", [4001], 7, ()),
     ("split5_empty_splits", [4133, 17, 1], 5, ()),
     ("split16_b3", [40, 3000, 16], 16, ()),
+    ("split3_b3_padding_row", [33, 1, 250], 3, (1,)),
     ("long_split32", [9001], 32, ()),
+    ("split64_max", [2100, 15, 1025], 64, ()),  # MAX_SPLITS: lanes own splits j and j + 32
     ("b64", None, 1, ()),
     ("b64_split3", None, 3, ()),
+    ("b64_split8", None, 8, ()),
 ]
+
+
+def _random_contexts(rng: np.random.Generator, batch: int) -> list[int]:
+    """Random contexts in [1, 700), the page edges among them."""
+    ctx = [int(c) for c in rng.integers(1, 700, batch)]
+    ctx[:4] = [1, 15, 16, 17]
+    return ctx
+
+
+def _decode_problem(rng: np.random.Generator, shape: tuple[int, int, int], ctx_lens: list[int],
+                    padding: tuple[int, ...] = ()):
+    """(PagedKV, device inputs [q, k, v, page table, contexts], float64 reference, scale)."""
+    from engine.cuda.driver import to_device
+
+    nq, nkv, hd = shape
+    kv = PagedKV(rng, ctx_lens, nkv, hd, padding)
+    q = (2.0 * rng.standard_normal((len(ctx_lens), nq * hd))).astype(BF16)
+    scale = hd ** -0.5
+    want = ref_paged_decode_attention(q.astype(np.float32), kv.k.astype(np.float32),
+                                      kv.v.astype(np.float32), kv.table, kv.ctx, scale)
+    bufs = [to_device(a) for a in (q, kv.k, kv.v, kv.table, kv.ctx)]
+    return kv, bufs, want, scale
+
+
+def _counter_region(ws):
+    """The workspace's split counters (its tail, decode_plan.split_counters_offset)."""
+    from cutlass_kernels.decode_attention import split_counters_offset
+    from engine.cuda.driver import DeviceBuffer
+
+    off = split_counters_offset(ws.nbytes)
+    return DeviceBuffer(ws.ptr + off, ws.nbytes - off, np.int32, ((ws.nbytes - off) // 4,))
+
+
+def _workspace(batch: int, shape: tuple[int, int, int], num_splits: int, stream):
+    """A split workspace as the executor keeps it: zero counters, the rest poisoned (NaN)."""
+    from cutlass_kernels.decode_attention import decode_workspace_bytes
+    from engine.cuda.driver import device_array
+
+    if num_splits <= 1:
+        return None
+    ws = device_array(decode_workspace_bytes(batch, shape[0], shape[2], num_splits) // 4,
+                      np.float32)
+    ws.fill_bytes(0xFF, stream)
+    _counter_region(ws).fill_bytes(0, stream)
+    return ws
+
+
+def _counters(ws, stream) -> np.ndarray:
+    stream.synchronize()
+    return _counter_region(ws).download()
+
+
+def _decode_once(launcher, bufs, out, ws, batch, stride, num_splits, scale, stream) -> np.ndarray:
+    """One launch into a poisoned output; its bits (uint16)."""
+    out.fill_bytes(0xFF, stream)
+    launcher(*bufs, out, ws, batch, stride, num_splits, scale, stream.handle)
+    stream.synchronize()
+    return out.download().view(np.uint16).copy()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c[0])
 def test_decode_attention_matches_reference(cuda_ctx, stream, shape, case):
-    from cutlass_kernels.decode_attention import compile_decode_attention, decode_workspace_bytes
-    from engine.cuda.driver import device_array, to_device
+    """Against float64 numpy; then, with splits: every counter back at 0, a second launch on the
+    same workspace gives the same bits, and so does the separate combine kernel (fused=False,
+    the design the fused combine replaced: same fp32 merge, same order)."""
+    from cutlass_kernels.decode_attention import compile_decode_attention
+    from engine.cuda.driver import device_array
 
     nq, nkv, hd = shape
     name, ctx_lens, num_splits, padding = case
     rng = np.random.default_rng()
     if ctx_lens is None:
-        ctx_lens = [int(c) for c in rng.integers(1, 700, 64)]
+        ctx_lens = _random_contexts(rng, 64)
     batch = len(ctx_lens)
-    kv = PagedKV(rng, ctx_lens, nkv, hd, padding)
-    q = (2.0 * rng.standard_normal((batch, nq * hd))).astype(BF16)
-    scale = hd ** -0.5
-    want = ref_paged_decode_attention(q.astype(np.float32), kv.k.astype(np.float32),
-                                      kv.v.astype(np.float32), kv.table, kv.ctx, scale)
-
+    kv, bufs, want, scale = _decode_problem(rng, shape, ctx_lens, padding)
     launcher = compile_decode_attention(nq, nkv, hd)
-    bufs = [to_device(a) for a in (q, kv.k, kv.v, kv.table, kv.ctx)]
     out = device_array((batch, nq * hd), BF16)
-    out.fill_bytes(0xFF, stream)
-    ws = None
-    if num_splits > 1:
-        ws = device_array(decode_workspace_bytes(batch, nq, hd, num_splits) // 4, np.float32)
-        ws.fill_bytes(0xFF, stream)
-    launcher(*bufs, out, ws, batch, kv.stride, num_splits, scale, stream.handle)
-    stream.synchronize()
-    _check(out.download(), want, hd, f"decode {name} splits={num_splits}")
+    ws = _workspace(batch, shape, num_splits, stream)
+    args = (batch, kv.stride, num_splits, scale, stream)
+    first = _decode_once(launcher, bufs, out, ws, *args)
+    what = f"decode {name} splits={num_splits}"
+    _check(first.view(BF16), want, hd, what)
+    if ws is None:
+        return
+    assert not _counters(ws, stream).any(), f"{what}: split counters not reset"
+    again = _decode_once(launcher, bufs, out, ws, *args)
+    assert np.array_equal(first, again), f"{what}: second launch differs"
+    separate = compile_decode_attention(nq, nkv, hd, fused=False)
+    ws_sep = _workspace(batch, shape, num_splits, stream)
+    old = _decode_once(separate, bufs, out, ws_sep, *args)
+    diff = np.count_nonzero(first != old)
+    assert diff == 0, f"{what}: {diff} outputs differ from the separate combine kernel"
+
+
+def test_decode_workspace_reused_across_plans(cuda_ctx, stream):
+    """One workspace, zeroed once, serves launches of other batch sizes and split counts in any
+    order (the executor's buckets, mixed and verify steps): the counters sit where no launch
+    writes partials, and each launch leaves them at 0."""
+    from cutlass_kernels.decode_attention import compile_decode_attention, decode_workspace_bytes
+    from engine.cuda.driver import device_array
+
+    shape = (32, 8, 128)
+    nq, nkv, hd = shape
+    plans = [(1, 33), (8, 5), (64, 3), (1, 8), (3, 64), (128, 2), (8, 5), (1, 33)]
+    need = max(decode_workspace_bytes(b, nq, hd, s) for b, s in plans)
+    ws = device_array(need // 4, np.float32)
+    ws.fill_bytes(0, stream)
+    launcher = compile_decode_attention(nq, nkv, hd)
+    rng = np.random.default_rng()
+    for batch, splits in plans:
+        kv, bufs, want, scale = _decode_problem(rng, shape, _random_contexts(rng, batch)
+                                                if batch >= 4 else [1024, 17, 1][:batch])
+        out = device_array((batch, nq * hd), BF16)
+        got = _decode_once(launcher, bufs, out, ws, batch, kv.stride, splits, scale, stream)
+        _check(got.view(BF16), want, hd, f"decode B={batch} splits={splits} (shared workspace)")
+        assert not _counters(ws, stream).any(), f"B={batch} splits={splits}: counters not reset"
+
+
+def test_decode_graph_replay_matches_eager(cuda_ctx, stream):
+    """A captured split launch replayed (the counters it leaves at 0 are the ones the next
+    replay starts from) gives the eager launch's bits, whichever CTA finishes last."""
+    from cutlass_kernels.decode_attention import compile_decode_attention
+    from engine.cuda.driver import Graph, device_array
+
+    shape = (32, 8, 128)
+    nq, nkv, hd = shape
+    launcher = compile_decode_attention(nq, nkv, hd)
+    rng = np.random.default_rng()
+    for ctx_lens, splits in (([1024], 8), ([1, 15, 16, 17, 300], 5), ([3000] * 3, 16)):
+        batch = len(ctx_lens)
+        kv, bufs, want, scale = _decode_problem(rng, shape, ctx_lens)
+        out = device_array((batch, nq * hd), BF16)
+        ws = _workspace(batch, shape, splits, stream)
+        eager = _decode_once(launcher, bufs, out, ws, batch, kv.stride, splits, scale, stream)
+        _check(eager.view(BF16), want, hd, f"decode eager B={batch} splits={splits}")
+        call = (*bufs, out, ws, batch, kv.stride, splits, scale, stream.handle)
+        graph = Graph.capture(stream, lambda call=call: launcher(*call))
+        try:
+            for rep in range(3):
+                out.fill_bytes(0xFF, stream)
+                graph.launch(stream)
+                stream.synchronize()
+                got = out.download().view(np.uint16)
+                assert np.array_equal(got, eager), f"B={batch} splits={splits}: replay {rep}"
+                assert not _counters(ws, stream).any(), f"replay {rep}: counters not reset"
+        finally:
+            graph.destroy()
 
 
 # ---- prefill -------------------------------------------------------------------------------
@@ -210,6 +335,7 @@ def _time_ms(stream, fn, *args, reps: int = 20) -> tuple[float, str]:
 
 def test_attention_timing(cuda_ctx, stream, capsys):
     from cutlass_kernels.decode_attention import (
+        DEFAULT_STAGES,
         choose_num_splits,
         compile_decode_attention,
         decode_workspace_bytes,
@@ -221,21 +347,34 @@ def test_attention_timing(cuda_ctx, stream, capsys):
     scale = hd ** -0.5
     rng = np.random.default_rng(0)
     lines = []
-    dec = compile_decode_attention(nq, nkv, hd)
     for batch in (1, 8, 64):
         ctx = 1024
         kv = PagedKV(rng, [ctx] * batch, nkv, hd)
-        splits = choose_num_splits(batch, nkv, ctx, cuda_ctx.num_sms)
+        picked = choose_num_splits(batch, nkv, ctx, cuda_ctx.num_sms)
         q = to_device(rng.standard_normal((batch, nq * hd)).astype(BF16))
         args = [q, to_device(kv.k), to_device(kv.v), to_device(kv.table), to_device(kv.ctx)]
         out = device_array((batch, nq * hd), BF16)
-        ws = device_array(max(1, decode_workspace_bytes(batch, nq, hd, splits) // 4),
-                          np.float32)
-        ms, how = _time_ms(stream, dec, *args, out, ws, batch, kv.stride, splits, scale,
-                           stream.handle)
         kv_bytes = 2 * batch * ctx * nkv * hd * 2
-        lines.append(f"decode B={batch:3d} ctx={ctx} splits={splits:2d}: {ms * 1e3:8.1f} us "
-                     f"(KV {kv_bytes / ms / 1e6:7.1f} GB/s, {how})")
+        # the plan's split count; at batch 1 also the neighbours and deeper rings (proposals:
+        # more, shorter splits now that the combine costs no graph node; every page in flight)
+        runs = [(picked, DEFAULT_STAGES, True), (picked, DEFAULT_STAGES, False)]
+        if batch == 1:
+            runs += [(s, st, True) for st in (DEFAULT_STAGES, 8) for s in (4, 8, 16, 32)
+                     if (s, st) != (picked, DEFAULT_STAGES)]
+        for splits, stages, fused in runs:
+            if splits == 1 and not fused:
+                continue
+            kern = compile_decode_attention(nq, nkv, hd, num_stages=stages, fused=fused)
+            ws = device_array(max(1, decode_workspace_bytes(batch, nq, hd, splits) // 4),
+                              np.float32)
+            ws.fill_bytes(0, stream)  # the split counters start at zero
+            ms, how = _time_ms(stream, kern, *args, out, ws, batch, kv.stride, splits, scale,
+                               stream.handle)
+            tag = "fused" if fused else "separate combine"
+            tag += " (plan)" if splits == picked and stages == DEFAULT_STAGES else ""
+            lines.append(f"decode B={batch:3d} ctx={ctx} splits={splits:2d} stages={stages:2d} "
+                         f"{tag:23s}: {ms * 1e3:8.1f} us "
+                         f"(KV {kv_bytes / ms / 1e6:7.1f} GB/s, {how})")
     total = 2048
     kv = PagedKV(rng, [total], nkv, hd)
     pre = compile_prefill_attention(nq, nkv, hd)
