@@ -7,6 +7,7 @@ nothing of requests. The scheduler's output is flattened into a ``StepBatch`` by
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -119,11 +120,20 @@ class ProcessorRows:
     _future: Any = None  # fill running elsewhere (fill_async)
 
     def fill_async(self, submit: Callable[[Callable[[], None]], Any]) -> None:
-        """Start the masks on another thread (``submit``: an executor's; llguidance releases
-        the GIL); ``fill_masks`` then waits for them."""
+        """Start the masks on another thread (``submit``: an executor's); ``fill_masks`` then
+        waits for them. llguidance computes them with the GIL released, but the thread needs
+        the GIL to get there, and a busy main thread would hold it for the interpreter's whole
+        switch interval (5 ms): this waits (GIL released) until the thread has started."""
         if self.fill is not None:
             fill, self.fill = self.fill, None
-            self._future = submit(fill)
+            started = threading.Event()
+
+            def run() -> None:
+                started.set()
+                fill()
+
+            self._future = submit(run)
+            started.wait()
 
     def fill_masks(self, wait_only: bool = False) -> None:
         """The grammar bitmasks, computed now (once), or waited for (``wait_only``: only

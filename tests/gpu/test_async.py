@@ -28,10 +28,13 @@ def model_dir(tmp_path_factory):
 
 
 def test_async_scheduling_equals_synchronous_on_cuda(model_dir):
+    """max_model_len 128: one split-KV in every bucket (a stop found one step late can put an
+    async step in a larger bucket than the synchronous one, and the split factor, chosen per
+    bucket, changes the attention's bits: seed 832455071 at 512 diverged at a token)."""
     seed = int(np.random.default_rng().integers(1 << 30))
     rng = np.random.default_rng(seed)
     prompts, params = _workload(rng, 64, sync_only=False)
-    opts = dict(backend="cuda", max_num_seqs=32, max_model_len=512,
+    opts = dict(backend="cuda", max_num_seqs=32, max_model_len=128,
                 num_gpu_blocks_override=32 * 32 + 8)
     sync = LLM(str(model_dir), async_scheduling=False, **opts)
     want = sync.generate(prompts, params)
