@@ -15,7 +15,7 @@ vocabulary of 32001, an intermediate size of 416) is padded by the engine with z
 columns (``engine/executor/cuda_shapes.Padded``): zero columns of K add exactly nothing, and the
 extra columns of C are never read.
 
-Two paths, chosen per call by M (M stays dynamic inside each compiled kernel):
+Up to three paths, chosen per call by M (M stays dynamic inside each compiled kernel):
 
 * ``M <= crossover`` (decode): ``gemm_skinny.GemmSkinnySm90``, swap-AB wgmma + TMA with a
   cluster split-K, built to stream W once at HBM bandwidth. One compile per token tile in
@@ -23,6 +23,12 @@ Two paths, chosen per call by M (M stays dynamic inside each compiled kernel):
   one runs ceil(M / tile) token tiles).
 * ``M > crossover`` (prefill, big batches): ``gemm_sm90.GemmSm90``, a 128 x ``tile_n`` x 64
   tiled wgmma GEMM with a multistage TMA pipeline and TMA-store epilogue.
+* Opt-in, ``wide_tiles`` (default none; ``CUTEINFER_GEMM_WIDE`` in the engine): M in
+  ``wide_range`` (default 65..512) goes to ``gemm_wide.GemmWideSm90``, the swap-AB kernel with a
+  128- or 256-row W slab per CTA (A's share of the traffic tile_t / slab instead of tile_t / 64)
+  and one token tile up to 256 (W streamed once up to M = 256). It takes precedence over both
+  other paths inside its range; the smallest wide tile >= M serves the call (above the largest,
+  ceil(M / tile) token tiles).
 
 Crossover, reasoned (tune on the GPU): the tiled path launches ceil(M/128) * ceil(N/tile_n)
 CTAs, far below one per SM for M <= 128 at the model widths (N = 4096, M = 128: 16 CTAs on 132
@@ -46,9 +52,13 @@ import cutlass
 from cutlass_kernels._common import Kernel, Ptr, Scalar, Signature
 from cutlass_kernels.gemm_skinny import SLAB, GemmSkinnySm90
 from cutlass_kernels.gemm_sm90 import BK, GemmSm90
+from cutlass_kernels.gemm_wide import SLABS, TILES, GemmWideSm90, max_tile
 
 OUT_DTYPES = {"bf16": cutlass.BFloat16, "f32": cutlass.Float32}
 H200_SMS = 132
+WIDE_TILES = (128, 192, 256)  # the wide path's tiles for M = 65..512 (wide_options)
+WIDE_RANGE = (65, 512)
+WIDE_FIXED_K_TILES = 2  # a CTA's fill + reduction, in K tiles of streaming (a guess: tune)
 
 
 class GemmShapeError(ValueError):
@@ -73,6 +83,37 @@ def choose_split_k(n: int, k: int, num_sms: int = H200_SMS) -> int:
     return split
 
 
+def choose_wide_slab(tile_t: int) -> int:
+    """W rows per CTA of the wide path: 256 (4 consumer warpgroups, A traffic tile_t / 256 of
+    W's) where the accumulators fit (tile_t <= 128), else 128."""
+    return 256 if tile_t <= max_tile(256) else 128
+
+
+def choose_wide_split(n: int, k: int, slab: int, num_sms: int = H200_SMS) -> int:
+    """Split-K factor (1, 2, 4 or 8) of the wide path, one CTA per SM: the fewest splits that
+    minimize waves * (K tiles per split + WIDE_FIXED_K_TILES), counting one token tile. A
+    partial second wave costs a whole wave (every CTA of a wave streams the same bytes)."""
+    slabs = -(-n // slab)
+    k_tiles = k // BK
+    best, best_cost = 1, None
+    for split in (1, 2, 4, 8):
+        if split > k_tiles:
+            break
+        cost = -(-slabs * split // num_sms) * (-(-k_tiles // split) + WIDE_FIXED_K_TILES)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = split, cost
+    return best
+
+
+def wide_options(from_m: int) -> dict[str, Any]:
+    """compile_gemm keywords that turn the wide path on for M = from_m..512 (0: off, {}).
+    from_m <= 64 adds the 64-token tile (to measure it against skinny64)."""
+    if not from_m:
+        return {}
+    tiles = WIDE_TILES if from_m > 64 else (64, *WIDE_TILES)
+    return {"wide_tiles": tiles, "wide_range": (from_m, WIDE_RANGE[1])}
+
+
 def choose_tile_n(n: int) -> int:
     """Tiled path CTA width: 256 (m64n256 wgmma, most FLOPs per smem byte) for wide weights,
     128 when N is small enough that 256 would leave too few CTAs per M-tile row."""
@@ -88,6 +129,8 @@ class GemmConfig:
     skinny: tuple[tuple[int, int], ...]  # (tile_t, split_k), ascending tile_t
     tile_n: int
     pdl: bool = False
+    wide: tuple[tuple[int, int, int], ...] = ()  # (tile_t, slab, split_k), ascending tile_t
+    wide_range: tuple[int, int] = WIDE_RANGE  # M served by the wide path (when it has tiles)
 
 
 def signatures(out_dtype: str) -> tuple[Signature, Signature]:
@@ -104,33 +147,42 @@ class GemmLauncher:
     object with ``.handle``, e.g. engine.cuda.driver.Stream).
     """
 
-    def __init__(self, cfg: GemmConfig, skinny: list[tuple[int, Kernel]], tiled: Kernel) -> None:
+    def __init__(self, cfg: GemmConfig, skinny: list[tuple[int, Kernel]], tiled: Kernel,
+                 wide: list[tuple[int, Kernel]] | None = None) -> None:
         self.cfg = cfg
         self._skinny = skinny  # [(tile_t, kernel)] ascending
         self._tiled = tiled
+        self._wide = wide or []  # [(tile_t, kernel)] ascending
 
     def tile_for(self, m: int) -> int:
-        """The skinny token tile serving M rows, 0 for the tiled path."""
-        return self._pick(m)[0]
+        """The token tile (skinny or wide) serving M rows, 0 for the tiled path."""
+        return self._pick(m)[1]
 
     def path(self, m: int) -> str:
-        """Which kernel serves M: 'skinny<tile_t>' or 'tiled'."""
-        tile_t, _ = self._pick(m)
-        return f"skinny{tile_t}" if tile_t else "tiled"
+        """Which kernel serves M: 'skinny<tile_t>', 'wide<tile_t>' or 'tiled'."""
+        kind, tile_t, _ = self._pick(m)
+        return f"{kind}{tile_t}" if tile_t else kind
 
-    def _pick(self, m: int) -> tuple[int, Kernel]:
-        """(skinny token tile, kernel), or (0, tiled kernel)."""
+    def _pick(self, m: int) -> tuple[str, int, Kernel]:
+        """(path, token tile, kernel); the tiled path has token tile 0."""
+        lo, hi = self.cfg.wide_range
+        if self._wide and lo <= m <= hi:
+            for tile_t, fn in self._wide:
+                if m <= tile_t:
+                    return "wide", tile_t, fn
+            return ("wide", *self._wide[-1])
         if m <= self.cfg.crossover:
             for tile_t, fn in self._skinny:
                 if m <= tile_t:
-                    return tile_t, fn
+                    return "skinny", tile_t, fn
             if self._skinny:
-                return self._skinny[-1]
-        return 0, self._tiled
+                return ("skinny", *self._skinny[-1])
+        return "tiled", 0, self._tiled
 
     def compiled(self) -> list[Any]:
         """Every compiled function (to load modules, ``f.to()``, before graph capture)."""
-        return [k.compiled for _, k in self._skinny] + [self._tiled.compiled]
+        return ([k.compiled for _, k in self._skinny] + [k.compiled for _, k in self._wide]
+                + [self._tiled.compiled])
 
     def __call__(self, a: Any, w: Any, c: Any, m: int, stream: Any,
                  tile_as: int | None = None) -> None:
@@ -145,8 +197,8 @@ class GemmLauncher:
             raise common.KernelArgError(f"tile_as must be a positive int, got {tile_as!r}")
         if m == 0:
             return
-        tile_t, fn = self._pick(m if tile_as is None else tile_as)
-        # The skinny kernel indexes C with Int32; TMA (tiled path) takes 32-bit coordinates.
+        _, tile_t, fn = self._pick(m if tile_as is None else tile_as)
+        # The swap-AB kernels index C with Int32; TMA (tiled path) takes 32-bit coordinates.
         if m * self.cfg.k >= 2**31 or (tile_t and m * self.cfg.n >= 2**31):
             raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")
         if tile_t:
@@ -185,10 +237,28 @@ def _check(n: int, k: int, out_dtype: str, crossover: int, skinny_tiles: tuple[i
         raise GemmShapeError(f"tile_n={tile_n}: must be 128 or 256")
 
 
+def _check_wide(k: int, tiles: tuple[int, ...], wide_range: tuple[int, int], slab: int | None,
+                split_k: int | None) -> None:
+    lo, hi = wide_range
+    if not 1 <= lo <= hi:
+        raise GemmShapeError(f"wide_range={wide_range}: must be (lo, hi) with 1 <= lo <= hi")
+    if slab is not None and slab not in SLABS:
+        raise GemmShapeError(f"wide_slab={slab}: must be one of {SLABS}")
+    for t in tiles:
+        s = choose_wide_slab(t) if slab is None else slab
+        if t not in TILES or t > max_tile(s):
+            raise GemmShapeError(f"wide tile {t}: must be one of {TILES}, <= {max_tile(s)} "
+                                 f"with slab {s}")
+    if split_k is not None and not 1 <= split_k <= min(8, k // BK):
+        raise GemmShapeError(f"wide_split_k={split_k}: must be in 1..8 and <= K/64 = {k // BK}")
+
+
 def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 128,
                  skinny_tiles: tuple[int, ...] = (16, 32, 64), split_k: int | None = None,
                  tile_n: int | None = None, num_sms: int = H200_SMS,
-                 pdl: bool = False) -> GemmLauncher:
+                 pdl: bool = False, wide_tiles: tuple[int, ...] = (),
+                 wide_range: tuple[int, int] = WIDE_RANGE, wide_slab: int | None = None,
+                 wide_split_k: int | None = None) -> GemmLauncher:
     """Compile (once per key) the kernels for ``C[M, n] = A[M, k] @ W[n, k]^T``.
 
     crossover: largest M served by the skinny (decode) path; 0 disables it.
@@ -196,8 +266,12 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
         crossover are compiled). split_k: force the skinny split-K factor (1..8; default from
         ``choose_split_k``). tile_n: tiled-path CTA width (default ``choose_tile_n``).
     num_sms: SM count the split-K heuristic plans for.
-    pdl: launch the skinny kernels with programmatic dependent launch, prefetching W while the
-        previous kernel finishes (gemm_skinny.py); same results.
+    pdl: launch the skinny (and wide) kernels with programmatic dependent launch, prefetching W
+        while the previous kernel finishes (gemm_skinny.py); same results.
+    wide_tiles: token tiles of the wide path (gemm_wide.py; default none: path off), serving
+        M in ``wide_range`` (lo, hi) ahead of the other paths. wide_slab: force its W rows
+        per CTA (128 or 256; default ``choose_wide_slab``); wide_split_k: force its split-K
+        factor (1..8; default ``choose_wide_split``). ``wide_options``: the engine's choice.
     """
     tile_n = choose_tile_n(n) if tile_n is None else tile_n
     tiles = tuple(sorted(set(skinny_tiles)))
@@ -209,7 +283,15 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
     if split_k is not None and (split_k not in (1, 2, 4, 8) or split_k > k // BK):
         raise GemmShapeError(f"split_k={split_k}: must be 1, 2, 4 or 8 and <= K/64 = {k // BK}")
     skinny = tuple((t, split_k or choose_split_k(n, k, num_sms)) for t in needed)
-    cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n, bool(pdl))
+    wtiles = tuple(sorted(set(wide_tiles)))
+    wide_range = (int(wide_range[0]), int(wide_range[1]))
+    _check_wide(k, wtiles, wide_range, wide_slab, wide_split_k)
+    wide = []
+    for t in wtiles:
+        slab = wide_slab or choose_wide_slab(t)
+        wide.append((t, slab, wide_split_k or choose_wide_split(n, k, slab, num_sms)))
+    cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n, bool(pdl), tuple(wide),
+                     wide_range if wide else WIDE_RANGE)
     return common.cached_compile(("gemm", cfg), lambda: _build(cfg))
 
 
@@ -218,5 +300,7 @@ def _build(cfg: GemmConfig) -> GemmLauncher:
     skinny_sig, tiled_sig = signatures(cfg.out_dtype)
     skinny = [(t, skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl)))
               for t, s in cfg.skinny]
+    wide = [(t, skinny_sig.compile(GemmWideSm90(cfg.n, cfg.k, c_dtype, slab, t, s, cfg.pdl)))
+            for t, slab, s in cfg.wide]
     tiled = tiled_sig.compile(GemmSm90(cfg.n, cfg.k, c_dtype, tile_n=cfg.tile_n))
-    return GemmLauncher(cfg, skinny, tiled)
+    return GemmLauncher(cfg, skinny, tiled, wide)

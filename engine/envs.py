@@ -11,6 +11,9 @@ Each variable has a function here; the rest of the engine calls the function, ne
 - ``CUTEINFER_PDL``: ``1`` launches the decode GEMMs with programmatic dependent launch (each
   may prefetch its weight while the previous kernel finishes). Default ``0``: on the H200 it
   bought ~1% of graph replay time and cost ~40 us of host time per eager launch (docs/perf.md).
+- ``CUTEINFER_GEMM_WIDE``: ``1`` serves M = 65..512 rows of the linear layers with the wide
+  swap-AB GEMM (cutlass_kernels/gemm_wide.py); an integer 2..512 serves M from that many rows
+  up (<= 64 adds its 64-token tile). Default ``0``: skinny up to 128 rows, tiled above.
 - ``CUTEINFER_KERNEL_CACHE``: ``0`` turns the on-disk kernel cache off (default ``1``: compiled
   kernels are kept under ``<cache root>/kernels``, cutlass_kernels/_cache.py).
 - ``CUTEINFER_COMPILE_WORKERS``: processes that compile missing kernels in parallel (default: one
@@ -70,6 +73,18 @@ def pdl_enabled() -> bool:
     if value not in ("0", "1", "true", "false", "on", "off", ""):
         raise ValueError(f"CUTEINFER_PDL must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on")
+
+
+def gemm_wide_from() -> int:
+    """``CUTEINFER_GEMM_WIDE``: the smallest M the wide GEMM path serves, 0 when off."""
+    value = os.environ.get("CUTEINFER_GEMM_WIDE", "0").strip().lower()
+    if value in ("", "0", "false", "off"):
+        return 0
+    if value in ("1", "true", "on"):
+        return 65
+    if not value.isdigit() or not 2 <= int(value) <= 512:
+        raise ValueError(f"CUTEINFER_GEMM_WIDE must be 0, 1 or an M in 2..512, got {value!r}")
+    return int(value)
 
 
 def _flag(name: str, default: bool) -> bool:

@@ -1,6 +1,7 @@
-"""CPU checks of cutlass_kernels/gemm.py: every model's linear layers compile for sm_90a (both
-paths), the PTX holds what Hopper needs, the epilogue's register order matches the accumulator,
-and the launcher validates shapes and arguments. No GPU needed (CUTE_DSL_ARCH=sm_90a)."""
+"""CPU checks of cutlass_kernels/gemm.py: every model's linear layers compile for sm_90a (every
+path, the opt-in wide one at the Qwen3 shapes), the PTX holds what Hopper needs, the epilogue's
+register order matches the accumulator, and the launcher validates shapes and arguments. No GPU
+needed (CUTE_DSL_ARCH=sm_90a)."""
 
 from __future__ import annotations
 
@@ -140,10 +141,18 @@ def test_no_register_spills(tmp_path, monkeypatch) -> None:
     if ptxas is None:
         pytest.skip("no ptxas on PATH")
     monkeypatch.chdir(tmp_path)
+    from cutlass_kernels.gemm_wide import GemmWideSm90
+
     kernels = [GemmSm90(4096, 4096, cutlass.BFloat16, tile_n=256),
                GemmSm90(4096, 4096, cutlass.Float32, tile_n=128),
                GemmSkinnySm90(4096, 4096, cutlass.BFloat16, tile_t=64, split_k=4),
-               GemmSkinnySm90(4096, 4096, cutlass.Float32, tile_t=256, split_k=2)]
+               GemmSkinnySm90(4096, 4096, cutlass.Float32, tile_t=256, split_k=2),
+               # the wide path's fullest register files: 4 warpgroups at tile 128 (544 threads,
+               # <= 120 registers), 2 at tile 256 (fp32 out), PDL
+               GemmWideSm90(6144, 4096, cutlass.BFloat16, slab=256, tile_t=128, split_k=4),
+               GemmWideSm90(151936, 4096, cutlass.Float32, slab=128, tile_t=256, split_k=1),
+               GemmWideSm90(4096, 12288, cutlass.BFloat16, slab=128, tile_t=192, split_k=4,
+                            pdl=True)]
     for i, kernel in enumerate(kernels):
         src = tmp_path / f"k{i}.ptx"
         # The DSL's bundled toolchain may emit a newer PTX ISA than the local ptxas knows; the
@@ -242,3 +251,158 @@ def test_launcher_checks_arguments() -> None:
         launcher(0x1000, 0x2000, 0x3000, 4.0, None)
     with pytest.raises(KernelArgError, match="m must be"):
         launcher(0x1000, 0x2000, 0x3000, -1, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The wide path (gemm_wide.py): opt-in, M = 65..512 by default
+
+
+@pytest.mark.parametrize("model", ["qwen3-8b", "qwen3-0.6b"])
+def test_wide_compiles_qwen3_layers(model: str) -> None:
+    """The engine's wide options (CUTEINFER_GEMM_WIDE=1) at every linear layer: tiles 128
+    (slab 256), 192 and 256 (slab 128) between skinny64 and the tiled path."""
+    for n, k, out in linear_shapes(*MODELS[model]):
+        launcher = G.compile_gemm(n, k, out, **G.wide_options(65))
+        assert [(t, slab) for t, slab, _ in launcher.cfg.wide] == [(128, 256), (192, 128),
+                                                                   (256, 128)]
+        for _, slab, split in launcher.cfg.wide:
+            assert split == G.choose_wide_split(n, k, slab)
+        assert len(launcher.compiled()) == 7
+        assert launcher.path(64) == "skinny64" and launcher.path(65) == "wide128"
+        assert launcher.path(128) == "wide128" and launcher.path(129) == "wide192"
+        assert launcher.path(192) == "wide192" and launcher.path(193) == "wide256"
+        assert launcher.path(512) == "wide256" and launcher.path(513) == "tiled"
+        assert launcher.tile_for(300) == 256 and launcher.tile_for(513) == 0
+        assert G.compile_gemm(n, k, out, **G.wide_options(65)) is launcher
+        assert launcher is not G.compile_gemm(n, k, out)  # the default stays without it
+
+
+def test_wide_from_33_adds_the_64_tile() -> None:
+    n, k, _ = linear_shapes(*MODELS["qwen3-8b"])[1]  # o_proj 4096 x 4096
+    launcher = G.compile_gemm(n, k, **G.wide_options(33))
+    assert [t for t, _, _ in launcher.cfg.wide] == [64, 128, 192, 256]
+    assert launcher.cfg.wide[0][1] == 256  # slab 256 at tile 64
+    assert launcher.path(32) == "skinny32" and launcher.path(33) == "wide64"
+    assert launcher.path(64) == "wide64" and launcher.path(65) == "wide128"
+
+
+@pytest.mark.parametrize("n,k,out,tile_t,slab,split_k", [
+    (960, 576, "bf16", 64, 256, 2),  # N = 3.75 slabs of 256; 9 K tiles over 2 splits
+    (960, 576, "bf16", 192, 128, 4),  # N = 7.5 slabs of 128; 9 K tiles over 4
+    (1000, 256, "f32", 256, 128, 3),  # odd N (fp32 out), a cluster of 3 over 4 K tiles
+    (4096, 1024, "bf16", 128, 128, 8),  # slab 128 at tile 128
+    (1024, 3072, "bf16", 128, 256, 7),  # 48 K tiles over 7 splits
+])
+def test_wide_compiles_edge_shapes(n: int, k: int, out: str, tile_t: int, slab: int,
+                                   split_k: int) -> None:
+    launcher = G.compile_gemm(n, k, out, crossover=0, wide_tiles=(tile_t,), wide_range=(1, 512),
+                              wide_slab=slab, wide_split_k=split_k)
+    assert launcher.cfg.wide == ((tile_t, slab, split_k),)
+    assert launcher.path(1) == f"wide{tile_t}" and launcher.path(512) == f"wide{tile_t}"
+    assert launcher.path(513) == "tiled"
+
+
+def test_wide_ptx(tmp_path, monkeypatch) -> None:
+    """wgmma of the token tile, TMA loads, a named barrier for the consumer warpgroups, the
+    DSMEM reduction between two cluster barriers, no local memory; with PDL, W's TMA before the
+    one griddepcontrol.wait and no global write before it."""
+    import cutlass
+
+    from cutlass_kernels.gemm_wide import GemmWideSm90
+
+    monkeypatch.chdir(tmp_path)
+    ptx = _ptx(GemmWideSm90(6144, 4096, cutlass.BFloat16, slab=256, tile_t=128, split_k=4))
+    assert ".target sm_90a" in ptx
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in ptx
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx
+    assert "ld.shared::cluster.v4" in ptx and "mapa.shared::cluster" in ptx
+    assert ptx.count("barrier.cluster.arrive") == 2
+    assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+1,\s*512", ptx)  # the consumers' barrier
+    assert "griddepcontrol" not in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx)
+
+    ptx = _ptx(GemmWideSm90(4096, 4096, cutlass.BFloat16, slab=128, tile_t=256, split_k=1,
+                            pdl=True))
+    assert "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16" in ptx
+    assert "barrier.cluster" not in ptx and "mapa" not in ptx
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert "cp.async.bulk.tensor.2d.shared::cta.global" in ptx[:wait]  # W prefetch
+    assert not re.search(r"\bst\.global|cp\.async\.bulk\.tensor\.\dd\.global\.shared",
+                         ptx[:wait])
+
+
+@pytest.mark.parametrize("slab,tile_t", [(128, 64), (128, 192), (256, 128), (128, 256)])
+@pytest.mark.parametrize("split_k", [1, 2, 3, 4, 5, 8])
+def test_wide_split_covers_k_and_tile_once(slab: int, tile_t: int, split_k: int) -> None:
+    """The index arithmetic of the kernel, replayed in Python: the splits' K ranges partition
+    the K tiles (none empty), and the CTAs' reduction vectors cover the tile once each."""
+    import cutlass
+
+    from cutlass_kernels.gemm_wide import GemmWideSm90
+
+    k_tiles = 9
+    g = GemmWideSm90(1024, 64 * k_tiles, cutlass.BFloat16, slab, tile_t, split_k)
+    ks = [k for s in range(split_k)
+          for k in range(s * k_tiles // split_k, (s + 1) * k_tiles // split_k)]
+    assert ks == list(range(k_tiles))
+    assert all((s + 1) * k_tiles // split_k > s * k_tiles // split_k for s in range(split_k))
+    seen = []
+    for split in range(split_k):
+        for it in range(-(-g.vecs_per_cta // g.mma_threads)):
+            for tidx in range(g.mma_threads):
+                j = it * g.mma_threads + tidx
+                v = split * g.vecs_per_cta + j
+                if j < g.vecs_per_cta and v < g.vecs:
+                    seen.append((v // (slab // 4), v % (slab // 4)))
+    assert sorted(seen) == [(t, r) for t in range(tile_t) for r in range(slab // 4)]
+    # the partial tile fits in the drained pipeline buffers
+    assert tile_t * (slab + 4) * 4 <= g.stages * (slab + tile_t) * 64 * 2
+    assert g.stages >= 4
+
+
+def test_wide_split_choice() -> None:
+    """Fewest splits minimizing waves * (K tiles per split + 2) at one CTA per SM."""
+    assert G.choose_wide_split(4096, 4096, 256) == 8  # 16 slabs x 8 = 128 CTAs (o_proj)
+    assert G.choose_wide_split(6144, 4096, 256) == 4  # 24 x 4 = 96: 18 beats 192 CTAs' 20
+    assert G.choose_wide_split(24576, 4096, 256) == 4  # 96 x 4 = 384: 3 waves of 16 + 2
+    assert G.choose_wide_split(4096, 12288, 128) == 4  # 32 x 4 = 128 (down, slab 128)
+    assert G.choose_wide_split(512, 128, 128) == 2  # never more splits than K tiles
+    for model in ("qwen3-8b", "qwen3-0.6b", "smollm2-135m", "tiny-qwen3"):
+        for n, k, _ in linear_shapes(*MODELS[model]):
+            for slab in (128, 256):
+                s = G.choose_wide_split(n, k, slab)
+                assert s in (1, 2, 4, 8) and s <= k // 64
+
+
+def test_rejects_bad_wide_options() -> None:
+    with pytest.raises(G.GemmShapeError, match="wide tile 96"):
+        G.compile_gemm(1024, 1024, wide_tiles=(96,))
+    with pytest.raises(G.GemmShapeError, match="wide tile 192"):
+        G.compile_gemm(1024, 1024, wide_tiles=(192,), wide_slab=256)  # registers
+    with pytest.raises(G.GemmShapeError, match="wide_slab"):
+        G.compile_gemm(1024, 1024, wide_tiles=(64,), wide_slab=64)
+    with pytest.raises(G.GemmShapeError, match="wide_split_k"):
+        G.compile_gemm(1024, 128, wide_tiles=(64,), wide_split_k=4)  # K = 128 has 2 tiles
+    with pytest.raises(G.GemmShapeError, match="wide_split_k"):
+        G.compile_gemm(1024, 1024, wide_tiles=(64,), wide_split_k=9)
+    with pytest.raises(G.GemmShapeError, match="wide_range"):
+        G.compile_gemm(1024, 1024, wide_tiles=(64,), wide_range=(100, 50))
+
+
+def test_wide_options_and_env(monkeypatch) -> None:
+    from engine import envs
+
+    assert G.wide_options(0) == {}
+    assert G.wide_options(65) == {"wide_tiles": (128, 192, 256), "wide_range": (65, 512)}
+    assert G.wide_options(64)["wide_tiles"] == (64, 128, 192, 256)
+    for value, want in [("", 0), ("0", 0), ("off", 0), ("1", 65), ("on", 65), ("33", 33),
+                        ("100", 100)]:
+        monkeypatch.setenv("CUTEINFER_GEMM_WIDE", value)
+        assert envs.gemm_wide_from() == want, value
+    for bad in ("513", "x", "-3"):
+        monkeypatch.setenv("CUTEINFER_GEMM_WIDE", bad)
+        with pytest.raises(ValueError, match="CUTEINFER_GEMM_WIDE"):
+            envs.gemm_wide_from()
+    monkeypatch.delenv("CUTEINFER_GEMM_WIDE")
+    assert envs.gemm_wide_from() == 0

@@ -235,7 +235,7 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
     # decode_attention first (the slowest import); the memory plan reads decode_plan, no DSL
     from cutlass_kernels.decode_attention import compile_decode_attention
     from cutlass_kernels.embedding import compile_embedding
-    from cutlass_kernels.gemm import compile_gemm
+    from cutlass_kernels.gemm import compile_gemm, wide_options
     from cutlass_kernels.logits_process import compile_count_tokens, compile_logits_process
     from cutlass_kernels.prefill_attention import compile_prefill_attention
     from cutlass_kernels.rmsnorm import compile_rmsnorm
@@ -246,7 +246,7 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
     pad = Padded.of(mc)  # widths padded to the GEMM tiles; an aligned model's own widths
     h, nq, nkv, hd = pad.hidden, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     v, inter = mc.vocab_size, pad.intermediate
-    pdl = {"pdl": envs.pdl_enabled()}
+    pdl = {"pdl": envs.pdl_enabled(), **wide_options(envs.gemm_wide_from())}  # GEMM options
     # the slowest first: workers take them in order
     return {
         "prefill": (compile_prefill_attention, (nq, nkv, hd, 16), {}),

@@ -1,6 +1,7 @@
-"""cutlass_kernels/gemm.py on the GPU: both paths against numpy float32, across the path
-boundaries, the M tail and N tails, bf16 and fp32 (lm_head) outputs; plus a timing report at
-qwen3-8b shapes (printed, not asserted)."""
+"""cutlass_kernels/gemm.py on the GPU: every path against numpy float32, across the path
+boundaries, the M tail and N tails, bf16 and fp32 (lm_head) outputs; the wide path's slabs,
+splits and bit-identity (two runs, tile_as, graph replay); plus a timing report at qwen3-8b
+shapes (printed, not asserted)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cutlass_kernels.gemm import compile_gemm
-from engine.cuda.driver import Event, device_array, to_device
+from cutlass_kernels.gemm import compile_gemm, wide_options
+from engine.cuda.driver import Event, Graph, device_array, to_device
 from tests.kernel_refs import ref_gemm
 from tests.tolerances import TOL
 
@@ -47,7 +48,7 @@ def weights(cuda_ctx) -> dict:
     return get
 
 
-def _run_and_check(launcher, w, w_dev, n: int, k: int, m: int, out: str, stream) -> None:
+def _run_and_check(launcher, w, w_dev, n: int, k: int, m: int, out: str, stream) -> np.ndarray:
     seed = int(np.random.default_rng().integers(2**31))
     a = _rand_bf16(np.random.default_rng(seed), (m, k))
     a_dev = to_device(a)
@@ -63,6 +64,7 @@ def _run_and_check(launcher, w, w_dev, n: int, k: int, m: int, out: str, stream)
     ref = ref_gemm(a, w)
     err = np.linalg.norm(c[:m].astype(np.float32) - ref) / np.linalg.norm(ref)
     assert err < TOL_OUT[out], f"rel err {err:.2e}: {where}"
+    return c
 
 
 @pytest.mark.parametrize("n,k,out", SHAPES)
@@ -118,11 +120,24 @@ def test_pdl_gemm_waits_for_the_kernel_writing_a(weights, stream, n: int, k: int
     """pdl=True, as in the engine: A is written by the kernel right before the GEMM (the row
     gather, which lets dependents launch at its start), so the GEMM's W prefetch overlaps it and
     only the wait orders the A reads. A starts as NaN poison each round; C must match numpy."""
+    _pdl_rounds(weights, stream, compile_gemm(n, k, out, pdl=True), n, k, out, m)
+
+
+@pytest.mark.parametrize("n,k,out", [(4096, 1024, "bf16"), (1000, 256, "f32")])
+@pytest.mark.parametrize("m", [33, 64, 100, 200, 300])
+def test_pdl_wide_gemm_waits_for_the_kernel_writing_a(weights, stream, n: int, k: int, out: str,
+                                                      m: int) -> None:
+    """The same for the wide path (its 64-token tile included)."""
+    launcher = compile_gemm(n, k, out, pdl=True, **wide_options(33))
+    assert launcher.path(m).startswith("wide")
+    _pdl_rounds(weights, stream, launcher, n, k, out, m)
+
+
+def _pdl_rounds(weights, stream, launcher, n: int, k: int, out: str, m: int) -> None:
     from cutlass_kernels.embedding import compile_embedding
 
     rng = np.random.default_rng()
     w, w_dev = weights(n, k)
-    launcher = compile_gemm(n, k, out, pdl=True)
     table = _rand_bf16(rng, (300, k))
     table_dev = to_device(table)
     gather = compile_embedding(k)
@@ -143,6 +158,92 @@ def test_pdl_gemm_waits_for_the_kernel_writing_a(weights, stream, n: int, k: int
         ref = ref_gemm(table[ids], w)
         err = np.linalg.norm(c[:m].astype(np.float32) - ref) / np.linalg.norm(ref)
         assert err < TOL_OUT[out], f"rel err {err:.2e}: {where}"
+
+
+# The wide path (gemm_wide.py): every token tile, across its tile edges and two token tiles.
+WIDE_TILES = (64, 128, 192, 256)
+WIDE_M = [1, 63, 65, 127, 129, 191, 200, 255, 256, 257, 511, 512]
+# qwen3-0.6b qkv and down, SmolLM2 qkv (N = 7.5 slabs of 128, 3.75 of 256; K = 9 tiles), a test
+# vocab (N = 1000, fp32 out, K = 4 tiles)
+WIDE_SHAPES = [(4096, 1024, "bf16"), (1024, 3072, "bf16"), (960, 576, "bf16"), (1000, 256, "f32")]
+
+
+def _wide(n: int, k: int, out: str = "bf16", **kw):
+    """The wide path for every M (tiled never runs), its default slabs and splits."""
+    return compile_gemm(n, k, out, crossover=0, wide_tiles=WIDE_TILES, wide_range=(1, 1 << 20),
+                        **kw)
+
+
+@pytest.mark.parametrize("n,k,out", WIDE_SHAPES)
+@pytest.mark.parametrize("m", WIDE_M)
+def test_wide_matches_numpy(weights, stream, n: int, k: int, out: str, m: int) -> None:
+    w, w_dev = weights(n, k)
+    launcher = _wide(n, k, out)
+    assert launcher.path(m).startswith("wide")
+    _run_and_check(launcher, w, w_dev, n, k, m, out, stream)
+
+
+@pytest.mark.parametrize("slab,tile_t", [(128, 64), (256, 64), (128, 128), (256, 128),
+                                         (128, 192), (128, 256)])
+@pytest.mark.parametrize("split_k", [1, 2, 5, 8])
+def test_wide_slab_and_split(weights, stream, slab: int, tile_t: int, split_k: int) -> None:
+    """Each slab / tile pair at cluster sizes that do not divide K's 9 tiles (and 1), over one
+    token tile and just past it (two)."""
+    n, k = 960, 576
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, "bf16", crossover=0, wide_tiles=(tile_t,),
+                            wide_range=(1, 1 << 20), wide_slab=slab, wide_split_k=split_k)
+    assert launcher.cfg.wide == ((tile_t, slab, split_k),)
+    for m in (tile_t - 1, tile_t + 3):
+        _run_and_check(launcher, w, w_dev, n, k, m, "bf16", stream)
+
+
+@pytest.mark.parametrize("m", [64, 65, 128, 129, 256, 300, 512, 513])
+def test_wide_engine_options(weights, stream, m: int) -> None:
+    """CUTEINFER_GEMM_WIDE=1's launcher at qwen3-8b's qkv: skinny64 | wide 65..512 | tiled."""
+    n, k = 6144, 4096
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, "bf16", **wide_options(65))
+    assert launcher.path(m).startswith("wide") == (65 <= m <= 512)
+    _run_and_check(launcher, w, w_dev, n, k, m, "bf16", stream)
+
+
+def test_wide_bits_repeat_and_follow_the_kernel(weights, stream) -> None:
+    """Deterministic split-K: the same bits from two runs, from a graph replay, and for any row
+    computed in another call of the same kernel (tile_as), whichever token tile it falls in."""
+    n, k, m = 4096, 1024, 300  # wide256 over two token tiles, split-K > 1
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, "bf16", **wide_options(65))
+    assert launcher.path(m) == "wide256" and launcher.cfg.wide[-1][2] > 1
+    a = _rand_bf16(np.random.default_rng(), (m, k))
+    a_dev = to_device(a)
+
+    def run(rows: np.ndarray | None, count: int, tile_as: int | None = None) -> np.ndarray:
+        src = a_dev if rows is None else to_device(rows)
+        c_dev = device_array((count + PAD_ROWS, n), BF16)
+        c_dev.fill_bytes(0xFF, stream)
+        launcher(src, w_dev, c_dev, count, stream, tile_as)
+        stream.synchronize()
+        return c_dev.download()[:count].view(np.uint16)
+
+    first = run(None, m)
+    assert np.isfinite(first.view(BF16).astype(np.float32)).all()
+    assert (run(None, m) == first).all(), "two runs differ"
+    # rows of the second token tile, now in the first; rows from the middle; a 7-row call
+    assert (run(a[256:], m - 256, tile_as=m) == first[256:]).all()
+    assert (run(a[5:70], 65, tile_as=200) == first[5:70]).all()
+    assert (run(a[290:297], 7, tile_as=257) == first[290:297]).all()
+
+    c_dev = device_array((m + PAD_ROWS, n), BF16)
+    graph = Graph.capture(stream, lambda: launcher(a_dev, w_dev, c_dev, m, stream))
+    try:
+        for _ in range(2):
+            c_dev.fill_bytes(0xFF, stream)
+            graph.launch(stream)
+            stream.synchronize()
+            assert (c_dev.download()[:m].view(np.uint16) == first).all(), "graph != eager"
+    finally:
+        graph.destroy()
 
 
 @pytest.mark.parametrize("m", [1, 100, 128, 200, 300])
