@@ -41,9 +41,13 @@ def _counting(llm: LLM) -> list[int]:
     return seen
 
 
-def _workload(rng: np.random.Generator, n: int, sync_only: bool = True):
+def _workload(rng: np.random.Generator, n: int, sync_only: bool = True,
+              late_stops: bool = True):
     """Random prompts and params; ``sync_only``: some requests want logprobs (their steps run
-    synchronously: a batch holding one never pipelines) or a logits processor."""
+    synchronously: a batch holding one never pipelines) or a logits processor.
+    ``late_stops`` False: requests end by length only (no stop ids, strings or EOS, which async
+    scheduling finds a step late, leaving a row in the next step: on cuda that can change the
+    step's bucket, and the kernels of another bucket round some rows differently)."""
     prompts, params = [], []
     for _ in range(n):
         if rng.random() < 0.4:
@@ -57,9 +61,11 @@ def _workload(rng: np.random.Generator, n: int, sync_only: bool = True):
                       seed=int(rng.integers(1 << 30)))
         else:
             kw["temperature"] = 0.0
-        if rng.random() < 0.3:
+        if not late_stops:
+            kw["ignore_eos"] = True
+        elif rng.random() < 0.3:
             kw["stop_token_ids"] = rng.integers(5, 300, 4).tolist()
-        if rng.random() < 0.15:
+        if late_stops and rng.random() < 0.15:
             kw["stop"] = ["a", "e"]
         if sync_only and rng.random() < 0.1:
             kw["logprobs"] = 2  # decodes synchronously (the pipeline ends for it)
@@ -271,9 +277,10 @@ def _deferred_count(llm: LLM) -> list[int]:
     return seen
 
 
-def _proc_workload(rng: np.random.Generator, n: int, vocab: int):
+def _proc_workload(rng: np.random.Generator, n: int, vocab: int, late_stops: bool = True):
     """Prompts and params where most requests have logits processors whose rows depend on the
-    tokens so far (penalties, min_tokens with a biased stop id, allowed ids, logit_bias)."""
+    tokens so far (penalties, min_tokens with a biased stop id, allowed ids, logit_bias);
+    ``late_stops`` False: penalties instead of min_tokens, EOS ignored (``_workload``)."""
     prompts, params = [], []
     for _ in range(n):
         prompts.append(rng.integers(5, 300, int(rng.integers(1, 40))).tolist())
@@ -284,6 +291,8 @@ def _proc_workload(rng: np.random.Generator, n: int, vocab: int):
         r = rng.random()
         if r < 0.25:
             kw.update(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3)
+        elif r < 0.5 and not late_stops:
+            kw.update(repetition_penalty=0.8, presence_penalty=-0.5)
         elif r < 0.5:
             stop = int(rng.integers(5, 300))
             kw.update(min_tokens=int(rng.integers(1, min(8, kw["max_tokens"]))),
@@ -293,6 +302,8 @@ def _proc_workload(rng: np.random.Generator, n: int, vocab: int):
             kw.update(allowed_token_ids=rng.integers(0, vocab, 40).tolist())
         elif r < 0.85:
             kw.update(logit_bias={int(t): 5.0 for t in rng.integers(0, vocab, 3)})
+        if not late_stops:
+            kw["ignore_eos"] = True
         params.append(SamplingParams(**kw))
     return prompts, params
 
