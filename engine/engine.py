@@ -52,6 +52,12 @@ class StepStats:
     extra: dict[str, int] = field(default_factory=dict)
 
 
+def _failure(e: Exception) -> tuple[set[int] | None, str]:
+    """A step's failure: the rows an ExecutorError names (None: every request), the message."""
+    rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
+    return rows, f"{type(e).__name__}: {e}"
+
+
 @dataclass
 class _Later:
     """A deferred step in flight: its forward launched (``handle``), its processor rows built
@@ -267,8 +273,8 @@ class LLMEngine(OutputViews):
             batch = build_batch(out, None if deferred else self.processors)
             self._mark()
             return batch, None
-        except Exception as e:
-            return None, (None, f"{type(e).__name__}: {e}")
+        except Exception as e:  # fail this step's requests (or rows) only; keep serving
+            return None, _failure(e)
 
     def _start(self, batch: Any, src_rows: np.ndarray | None = None, deferred: bool = False
                ) -> tuple[Any, tuple[set[int] | None, str] | None]:
@@ -283,8 +289,7 @@ class LLMEngine(OutputViews):
             self._mark()
             return handle, None
         except Exception as e:  # fail this step's requests (or rows) only; keep serving
-            rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
-            return None, (rows, f"{type(e).__name__}: {e}")
+            return None, _failure(e)
 
     def _finish(self, handle: Any, failure: tuple[set[int] | None, str] | None
                 ) -> tuple[StepOutput | None, tuple[set[int] | None, str] | None]:
@@ -371,8 +376,7 @@ class LLMEngine(OutputViews):
             if later.procs is not None:
                 later.procs.fill_masks(wait_only=True)
             self._finish(later.handle, None)
-            rows = getattr(e, "rows", None) if isinstance(e, ExecutorError) else None
-            return None, (rows, f"{type(e).__name__}: {e}")
+            return None, _failure(e)
 
     def _complete(self, out: SchedulerOutput, handle: Any,
                   failure: tuple[set[int] | None, str] | None,

@@ -107,6 +107,11 @@ def _ids(outs) -> list[list[int]]:
 
 def _no_pages_left(llm: LLM) -> None:
     eng = llm.engine
+    if eng._pending is not None and not eng.scheduler.has_work():
+        # async scheduling: generate() returns once its requests finish; a step may still be
+        # in flight whose rows all belong to requests whose stop it found a step late
+        assert all(s.request.is_finished for s in eng._pending[0].seqs)
+        eng.step()
     assert not eng.has_unfinished()
     assert eng.block_manager.gauges()["live"] == 0
 
