@@ -221,6 +221,25 @@ def test_malformed_json_and_unknown_route(server: OpenAIServer) -> None:
     assert status == 404 and "error" in resp
 
 
+def test_bodies_msgspec_refuses_are_read_as_the_standard_library_reads_them(
+        server: OpenAIServer) -> None:
+    """The server decodes JSON bodies with msgspec and falls back to ``json.loads`` for what
+    msgspec refuses: a UTF-8 BOM gives the same answer as the plain body (greedy); a lone
+    surrogate escape reaches the field check, which names the field; token ids work too."""
+    model = server.served_model_name
+    base = {"model": model, "prompt": "Hello there", "max_tokens": 4, "temperature": 0}
+    want = http("POST", f"{server.url}/v1/completions", base)
+    assert want[0] == 200, want
+    bom = b"\xef\xbb\xbf" + json.dumps(base).encode()
+    got = http("POST", f"{server.url}/v1/completions", raw=bom)
+    assert got[0] == 200 and got[1]["choices"][0]["text"] == want[1]["choices"][0]["text"]
+    surrogate = json.dumps({**base, "user": "x"}).replace('"x"', '"\\ud800"').encode()
+    got = http("POST", f"{server.url}/v1/completions", raw=surrogate)
+    assert got[0] == 400 and got[1]["error"]["param"] == "user", got
+    ids = http("POST", f"{server.url}/v1/completions", {**base, "prompt": [5, 6, 7, 8]})
+    assert ids[0] == 200 and ids[1]["usage"]["prompt_tokens"] == 4
+
+
 def test_disconnect_aborts_and_frees_pages(server: OpenAIServer) -> None:
     """A streaming client that goes away mid-generation: its request is aborted and its KV
     pages return; so does a non-streaming one."""
