@@ -529,7 +529,6 @@ class CudaExecutor(Executor):
         (runs of rows, one copy each), its samples go to a pinned buffer behind an event
         (``finish`` waits). Any other step runs now (``execute``; a continuation's tokens are
         then taken from the previous step's output on the host)."""
-        buf, st = self.buf, self.stream
         n = b.num_seqs
         g = self.graphs
         # (a bucket still to capture lazily runs synchronously: its warm-up step would
@@ -542,14 +541,22 @@ class CudaExecutor(Executor):
             out = self.execute(b)
             self._inflight = _Done(out)
             return self._inflight
+        self._replay_continuation(g, b, src_rows, procs=True)
+        return self._download_async(n)
+
+    def _replay_continuation(self, runner: GraphRunner, b: StepBatch,
+                             src_rows: np.ndarray | None, procs: bool) -> int:
+        """Stage a decode step in ``runner``'s bucket (its input tokens of ``src_rows`` copied
+        on the device from the previous step's samples) and replay it; returns the bucket."""
         self._check(b)
-        bucket = self.graphs.pad(n)
+        buf = self.buf
+        bucket = runner.pad(b.num_seqs)
         self.upload(b, pad_to=bucket)
         if src_rows is not None:
-            _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, src_rows, st)
-        self.upload_sampling(b, pad_to=bucket)
-        self.graphs.replay(bucket)
-        return self._download_async(n)
+            _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, src_rows, self.stream)
+        self.upload_sampling(b, pad_to=bucket, procs=procs)
+        runner.replay(bucket)
+        return bucket
 
     def launch_deferred(self, b: StepBatch, src_rows: np.ndarray | None = None) -> Any:
         """A decode continuation whose logits processors come later (``launch_procs``): the
@@ -560,15 +567,7 @@ class CudaExecutor(Executor):
         n = b.num_seqs
         if not (self._async_ok(b) and h is not None and h.plan.bucket(n) in h.graphs):
             return super().launch_deferred(b, src_rows)
-        self._check(b)
-        buf, st = self.buf, self.stream
-        bucket = h.pad(n)
-        self.upload(b, pad_to=bucket)
-        if src_rows is not None:
-            _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, src_rows, st)
-        self.upload_sampling(b, pad_to=bucket, procs=False)
-        h.replay(bucket)
-        return _Heads(b, bucket)
+        return _Heads(b, self._replay_continuation(h, b, src_rows, procs=False))
 
     def launch_procs(self, handle: Any, procs: ProcessorRows | None) -> Any:
         if not isinstance(handle, _Heads):
