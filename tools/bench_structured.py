@@ -99,6 +99,9 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--schema", choices=sorted(SCHEMAS), default="string",
                     help="the constrained rows' JSON schema (see SCHEMAS)")
+    ap.add_argument("--core-only", action="store_true",
+                    help="no detokenization in the engine, as the server's engine core runs "
+                         "(engine/core/process.py); default: the embedded LLM's engine")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from engine.args import EngineArgs
@@ -106,7 +109,7 @@ def main() -> None:
     from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
     eng = LLMEngine(EngineArgs(model=a.model, backend=a.backend, max_num_seqs=a.batch,
-                               max_model_len=1024))
+                               max_model_len=1024), process_outputs=not a.core_only)
     n_out = a.steps + 16
     eng._bench_acc = acc = {}
     _Timed(acc, "execute", eng.executor, "execute")
@@ -138,7 +141,8 @@ def main() -> None:
 
     _run(eng, a.batch, plain, a.prompt_len, 10)  # warm: graphs, the grammar tokenizer
     _run(eng, a.batch, constrained, a.prompt_len, 10)
-    res = {"batch": a.batch, "constrained": a.constrained, "schema": a.schema}
+    res = {"batch": a.batch, "constrained": a.constrained, "schema": a.schema,
+           "core_only": a.core_only}
     for name, fn in (("plain", plain), ("structured", constrained), ("penalties", penalized),
                      ("plain_again", plain)):
         res[name] = _run(eng, a.batch, fn, a.prompt_len, a.steps)
