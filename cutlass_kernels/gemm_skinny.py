@@ -49,7 +49,13 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cutlass_kernels.gemm_sm90 import BK, MBAR_RESERVE, SMEM_CAPACITY, tma_wgmma_mainloop
+from cutlass_kernels.gemm_sm90 import (
+    BK,
+    MBAR_RESERVE,
+    SMEM_CAPACITY,
+    cluster_sum_store,
+    tma_wgmma_mainloop,
+)
 
 SLAB = 64  # W rows per CTA = wgmma M of one warpgroup
 SMEM_TWO_PER_SM = 113 * 1024  # per-CTA budget that lets two CTAs share an SM (228 KiB per SM)
@@ -206,19 +212,8 @@ class GemmSkinnySm90:
             t = pid_t * self.tile_t + t_local
             col4 = pid_n * (SLAB // 4) + r4
             if j < self.vecs_per_cta and t < m and col4 < n_vec:
-                total = cute.make_rmem_tensor((4,), self.acc_dtype)
-                total.fill(0.0)
-                part = cute.make_rmem_tensor((4,), self.acc_dtype)
-                for peer in cutlass.range_constexpr(self.split_k):
-                    src = sP4[None, r4, t_local]
-                    if cutlass.const_expr(self.split_k > 1):
-                        src = cute.make_tensor(cute.arch.map_dsmem_ptr(src.iterator, peer),
-                                               src.layout)
-                    cute.autovec_copy(src, part)
-                    total.store(total.load() + part.load())
-                out = cute.make_rmem_tensor((4,), self.c_dtype)
-                out.store(total.load().to(self.c_dtype))
-                cute.autovec_copy(out, mC4[None, col4, t])
+                cluster_sum_store(sP4[None, r4, t_local], mC4[None, col4, t], self.split_k,
+                                  self.acc_dtype, self.c_dtype)
 
         if cutlass.const_expr(self.split_k > 1):
             cute.arch.cluster_arrive()  # peers may still read this CTA's partial: stay alive

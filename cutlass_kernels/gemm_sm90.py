@@ -119,6 +119,28 @@ def tma_wgmma_mainloop(
     warpgroup.wait_group(0)
 
 
+@cute.jit
+def cluster_sum_store(src: cute.Tensor, dst: cute.Tensor, split_k: cutlass.Constexpr,
+                      acc_dtype: cutlass.Constexpr, c_dtype: cutlass.Constexpr):
+    """Split-K reduction of one float4 of the partial tile (the swap-AB kernels,
+    gemm_skinny.py and gemm_wide.py): ``src`` (4 fp32 in this CTA's shared memory) summed over
+    the ``split_k`` CTAs of the cluster in rank order (DSMEM; the same place in each peer's
+    tile), converted to ``c_dtype`` and copied to ``dst`` (4 elements of C). The fixed order
+    makes the bits independent of which CTA finished first."""
+    total = cute.make_rmem_tensor((4,), acc_dtype)
+    total.fill(0.0)
+    part = cute.make_rmem_tensor((4,), acc_dtype)
+    for peer in cutlass.range_constexpr(split_k):
+        peer_src = src
+        if cutlass.const_expr(split_k > 1):
+            peer_src = cute.make_tensor(cute.arch.map_dsmem_ptr(src.iterator, peer), src.layout)
+        cute.autovec_copy(peer_src, part)
+        total.store(total.load() + part.load())
+    out = cute.make_rmem_tensor((4,), c_dtype)
+    out.store(total.load().to(c_dtype))
+    cute.autovec_copy(out, dst)
+
+
 def make_epilogue_r2s(tiled_mma: cute.TiledMma, c_dtype: type[cutlass.Numeric]) -> cute.TiledCopy:
     """Register -> smem copy for the epilogue, shaped on the accumulator layout.
 

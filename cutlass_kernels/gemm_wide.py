@@ -52,7 +52,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from cutlass_kernels.gemm_sm90 import BK, MBAR_RESERVE, SMEM_CAPACITY
+from cutlass_kernels.gemm_sm90 import BK, MBAR_RESERVE, SMEM_CAPACITY, cluster_sum_store
 
 SLABS = (128, 256)
 TILES = (64, 128, 192, 256)
@@ -278,16 +278,5 @@ class GemmWideSm90:
             t = pid_t * self.tile_t + t_local
             col4 = pid_n * rows4 + r4
             if j < self.vecs_per_cta and v < self.vecs and t < m and col4 < n_vec:
-                total = cute.make_rmem_tensor((4,), self.acc_dtype)
-                total.fill(0.0)
-                part = cute.make_rmem_tensor((4,), self.acc_dtype)
-                for peer in cutlass.range_constexpr(self.split_k):
-                    src = sP4[None, r4, t_local]
-                    if cutlass.const_expr(self.split_k > 1):
-                        src = cute.make_tensor(cute.arch.map_dsmem_ptr(src.iterator, peer),
-                                               src.layout)
-                    cute.autovec_copy(src, part)
-                    total.store(total.load() + part.load())
-                out = cute.make_rmem_tensor((4,), self.c_dtype)
-                out.store(total.load().to(self.c_dtype))
-                cute.autovec_copy(out, mC4[None, col4, t])
+                cluster_sum_store(sP4[None, r4, t_local], mC4[None, col4, t], self.split_k,
+                                  self.acc_dtype, self.c_dtype)
