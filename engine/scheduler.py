@@ -166,8 +166,11 @@ class Scheduler:
         step late (that request's extra row is dropped, ``update_from_output``). None when the
         next step is anything else (admissions, prefills, speculation, logprobs, logits
         processors unless ``procs`` -- the engine then gives the step its processors once
-        ``prev`` is complete --, a pool that is full): the engine then finishes ``prev`` and
-        plans normally."""
+        ``prev`` is complete --, a pool that is full, a request that ``prev`` finishes by
+        length while others wait for its seat): the engine then finishes ``prev`` and plans
+        normally. So a workload whose requests end by length runs the steps synchronous
+        scheduling runs, row for row (on cuda another step composition means other buckets,
+        whose kernels round some rows differently)."""
         cfg, bm = self.config, self.bm
         if self.waiting and len(self.running) < cfg.max_num_seqs:
             return None  # admissions to plan
@@ -185,6 +188,8 @@ class Scheduler:
             # after prev the request holds len(output) + 1 tokens; one more must be allowed
             if (len(req.output_token_ids) + 2 > req.max_output_tokens
                     or s.start + 2 > cfg.max_model_len):
+                if self.waiting:  # it finishes with prev: its seat goes to a waiting request
+                    return self._undo(seqs)  # now, as synchronous scheduling gives it
                 continue  # prev's token is its last: it finishes then
             try:
                 slots = bm.append_slots(req.request_id, 1)

@@ -102,6 +102,41 @@ def test_random_workloads_equal_synchronous_scheduling(tiny: Path) -> None:
     assert planned > 0  # the pipeline ran
 
 
+def _steps(llm: LLM) -> list[tuple]:
+    """Every step ``llm`` builds from now on: ((request id, first position, tokens), ...)."""
+    seen: list[tuple] = []
+    llm.engine.fault_hook = lambda out: seen.append(
+        tuple((s.request.request_id, s.start, s.num_new) for s in out.seqs))
+    return seen
+
+
+def test_length_ended_workloads_run_the_synchronous_steps(tiny: Path) -> None:
+    """Requests that end by length, more of them than seats: async scheduling runs exactly
+    the steps synchronous scheduling runs, row for row. (A request that finishes with the step
+    in flight gives its seat to a waiting one in the very next step, as it does synchronously;
+    planning a continuation there instead would put the two schedules a step apart, and on
+    cuda another step composition rounds some rows differently.)"""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    for _ in range(3):
+        prompts, params = _workload(rng, int(rng.integers(8, 40)), sync_only=False,
+                                    late_stops=False)
+        opts = dict(backend="numpy", max_num_seqs=int(rng.integers(2, 9)),
+                    max_num_batched_tokens=int(rng.integers(64, 300)),
+                    num_gpu_blocks_override=int(rng.integers(60, 120)), max_model_len=256,
+                    enable_prefix_caching=bool(rng.random() < 0.5))
+        sync = LLM(str(tiny), async_scheduling=False, **opts)
+        want_steps = _steps(sync)
+        want = sync.generate(prompts, params)
+        llm = LLM(str(tiny), async_scheduling=True, **opts)
+        seen, got_steps = _counting(llm), _steps(llm)
+        got = llm.generate(prompts, params)
+        _same(got, want, f"seed {seed}")
+        assert got_steps == want_steps, f"seed {seed}"
+        assert seen[0] > 0, f"seed {seed}: the pipeline ran"
+        _no_pages_left(llm)
+
+
 def test_steady_decoding_pipelines_nearly_every_step(tiny: Path) -> None:
     prompts = [[5 + i, 6, 7] for i in range(8)]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 8
