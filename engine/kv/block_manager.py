@@ -211,7 +211,8 @@ class BlockManager:
         n_new = len(token_ids) - cached if num_new_tokens is None else num_new_tokens
         if n_new < 0:
             raise KVUsageError(f"num_new_tokens must be >= 0, got {n_new}")
-        revived = sum(1 for e in matched if e.page in self._pool.inactive)
+        inactive = self._pool.inactive
+        revived = sum(1 for e in matched if e.page in inactive) if inactive else 0
         return revived + _cdiv(cached + n_new, self.page_size) - len(matched)
 
     # -- per request -------------------------------------------------------------------------
@@ -228,11 +229,12 @@ class BlockManager:
         matched = self._match(token_ids, salt)
         n = len(matched) * self.page_size
         seq = _Seq(salt, num_slots=n)
-        for entry in matched:
-            self._pool.take(entry.page)
-            seq.pages.append(entry.page)
-            seq.hashes.append(entry.hash)
-            seq.chain.append(entry)
+        if matched:
+            pages = [e.page for e in matched]
+            self._pool.take_many(pages)
+            seq.pages.extend(pages)
+            seq.hashes.extend([e.hash for e in matched])
+            seq.chain.extend(matched)
         self._seqs[request_id] = seq
         if self._pool.caching:
             self._stats["prefix_queries"] += 1

@@ -63,6 +63,22 @@ class PagePool:
         self.inactive.pop(page, None)
         self.incref(page)
 
+    def take_many(self, pages: list[int]) -> None:
+        """``take`` of each page (distinct pages), in one pass: an admission over a cached
+        3,000-token prefix takes 187 pages."""
+        inactive, ref = self.inactive, self.ref
+        if inactive:
+            pop = inactive.pop
+            for p in pages:
+                pop(p, None)
+        shared = 0
+        for p in pages:
+            r = ref[p] + 1
+            ref[p] = r
+            shared += r == 2
+        self.num_refs += len(pages)
+        self.num_shared += shared
+
     def incref(self, page: int) -> None:
         self.ref[page] += 1
         self.num_refs += 1

@@ -75,8 +75,10 @@ class PrefixCache:
         out: list[CachedPage] = []
         parent_id = ROOT_ID
         get = self._by_key.get
-        for i in range(max_pages):
-            entry = get((parent_id, tuple(token_ids[i * ps:(i + 1) * ps]), salt))
+        # the pages' token tuples, made lazily in C (zip over one iterator: ps items each)
+        it = iter(token_ids[:max(0, max_pages) * ps])
+        for tokens in zip(*[it] * ps, strict=False):  # (full pages only: the slice)
+            entry = get((parent_id, tokens, salt))
             if entry is None:
                 break
             out.append(entry)
