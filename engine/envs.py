@@ -22,6 +22,8 @@ Each variable has a function here; the rest of the engine calls the function, ne
   (vLLM's ``VLLM_API_KEY``).
 - ``CUTEINFER_STEP_TRACE``: a file path; each engine step appends one line to it (start and end
   times, tokens, sequences, graph or eager), for tools that break serving time down.
+- ``CUTEINFER_ADMIT_TRACE``: a file path; the server, its engine thread and the engine core append
+  a line each time a request passes an admission point (``engine/tracepoints.py``).
 - ``CUTEINFER_GRAMMAR_SHARDS``: lexers per grammar for structured output's token masks (default:
   one per mask thread; ``1``: one shared lexer, whose lock serializes the masks).
 """
@@ -49,6 +51,11 @@ def cache_dir() -> Path:
 def step_trace_path() -> Path | None:
     """Where each step appends its trace line (``CUTEINFER_STEP_TRACE``), or None."""
     return _path("CUTEINFER_STEP_TRACE")
+
+
+def admit_trace_path() -> Path | None:
+    """Where the admission tracepoints append (``CUTEINFER_ADMIT_TRACE``), or None."""
+    return _path("CUTEINFER_ADMIT_TRACE")
 
 
 def api_keys() -> str | None:

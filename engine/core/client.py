@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine import tracepoints
 from engine.args import EngineArgs
 from engine.config import ModelConfig
 from engine.core.messages import ABORT, ADD, SHUTDOWN, CoreStep, encode_commands
@@ -153,6 +154,8 @@ class MultiprocessEngine(OutputViews):
             self._outbox.append((ABORT, self._aborts))
             self._aborts = []
         if self._outbox and self._dead is None:
+            if tracepoints.mark is not None:
+                tracepoints.mark("flush", len(self._outbox))
             data = encode_commands(self._outbox)
             while True:  # never block on a core that died: its queue would never drain
                 try:

@@ -24,6 +24,8 @@ import time
 import traceback
 from typing import Any
 
+from engine import tracepoints
+
 GAUGE_INTERVAL_S = 0.1
 IDLE_POLL_MS = 100
 
@@ -152,7 +154,10 @@ class _Core:
         from engine.core.messages import ABORT, ADD, SHUTDOWN, decode_commands
 
         eng, refused = self.eng, []
-        for cmd in decode_commands(data):
+        cmds = decode_commands(data)
+        if tracepoints.mark is not None:
+            tracepoints.mark("core", len(cmds))
+        for cmd in cmds:
             if cmd[0] == ADD:
                 _, rid, ids, params, salt = cmd
                 try:
@@ -170,6 +175,8 @@ class _Core:
                     self.cursors.pop(rid, None)
             elif cmd[0] == SHUTDOWN:
                 self.stopping = True
+        if tracepoints.mark is not None:
+            tracepoints.mark("admitted", len(cmds))
         if refused:
             self._send(refused)
 

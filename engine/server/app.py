@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import __version__
+from engine import __version__, tracepoints
 from engine.server.async_engine import AsyncEngine
 from engine.server.auth import OPEN_PATHS, APIKeyAuth, APIKeys
 from engine.server.metrics import ServerMetrics
@@ -108,6 +108,8 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if tracepoints.mark is not None:
+            tracepoints.mark("http", scope.get("path", ""))
         declared = _content_length(scope)
         if declared is not None and declared > self.limit:
             await self._refuse(send, f"the request body is {declared} bytes, over")
