@@ -266,3 +266,51 @@ def test_drain_lets_in_flight_finish_and_refuses_new(engine: AsyncEngine) -> Non
     assert last is not None and last.finish_reason == "length" and not last.fatal
     assert engine.wait_idle(10) and engine.num_in_flight() == 0
     assert engine.health() == (False, "the server is shutting down")
+
+
+def test_a_burst_larger_than_a_drain_is_admitted_in_bounded_batches(model_dir: Path) -> None:
+    """Adds queued faster than the engine thread takes them: each drain takes at most
+    DRAIN_BATCH before a step (so a two-process core gets the first ones while the rest still
+    arrive), and every one is accepted and finishes (the drain that stops early wakes the next)."""
+    from engine.server import async_engine as ae_mod
+
+    eng = make_engine(model_dir, max_model_len=64)
+    ae = AsyncEngine(eng, step_timeout_s=30)
+    batches: list[int] = []
+    add = eng.add_request
+    step = eng.step
+    pending = [0]
+
+    def counting_add(*a, **kw):
+        pending[0] += 1
+        return add(*a, **kw)
+
+    def counting_step():
+        if pending[0]:
+            batches.append(pending[0])
+            pending[0] = 0
+        return step()
+
+    eng.add_request, eng.step = counting_add, counting_step
+    n = 3 * ae_mod.DRAIN_BATCH + 5
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+
+    async def run() -> list[int]:
+        async def one(i: int) -> int:
+            stream = await ae.add([5 + i % 50, 6, 7], params, f"burst-{i}")
+            toks: list[int] = []
+            async for d in stream:
+                toks += d.token_ids
+            return len(toks)
+
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+    try:
+        # queued before the engine thread runs: one drain could take all of them at once
+        ae.start()
+        got = asyncio.run(run())
+    finally:
+        ae.shutdown()
+    assert got == [2] * n
+    assert sum(batches) == n and max(batches) <= ae_mod.DRAIN_BATCH, batches
+    assert len(batches) >= 4, batches
