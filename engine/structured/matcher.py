@@ -50,12 +50,15 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def default_threads() -> int:
-    """llguidance's default pool size: 80% of the CPUs this process may run on, 1 to 32."""
+    """The mask pool's size: every CPU this process may run on, 1 to 32. (llguidance's own
+    default is 80%: on the 16-core H200 host that is 12 threads for 12 lexers, so 16
+    constrained rows took two rounds; 16 threads cut qwen3-0.6b's structured step from 1.36x
+    to 1.23x a plain one, tools/bench_structured.py, docs/perf.md v19.)"""
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    return max(1, min(32, n * 80 // 100))
+    return max(1, min(32, n))
 
 
 class _Shards:
