@@ -63,6 +63,7 @@ LAYERS: dict[str, int] = {
     "engine.tokenizer": 3,
     "engine.logits_processors": 3,  # per-request logits processors, host side
     "engine.structured": 3,  # structured output: grammars and llguidance matchers
+    "engine.tracepoints": 3,  # admission tracepoints (CUTEINFER_ADMIT_TRACE)
     # leaves: import nothing from the package
     "engine.envs": 2,
     "engine.jsonfile": 2,
