@@ -119,6 +119,35 @@ def tma_wgmma_mainloop(
     warpgroup.wait_group(0)
 
 
+def swap_ab_operands(a: cute.Pointer, w: cute.Pointer, c: cute.Pointer, n: int, k: int,
+                     m: cutlass.Int32, m_load: cutlass.Int32, ab_dtype: type, acc_dtype: type,
+                     tile_mnk: tuple[int, int, int], stages: int, mma_atoms: tuple[int, int, int],
+                     mma_tiler: tuple[int, int], w_rows: int, tile_t: int) -> tuple:
+    """The host-side operands of the swap-AB kernels (gemm_skinny.py, gemm_wide.py), traced in
+    their ``__call__``: A (m_load x K, row-major; rows m..m_load-1 are read, their C columns
+    never written), W (N x K), C as float4-sized vectors (4, N/4, M: slices [None, j, t] are
+    4-element aligned), the tiled MMA (``mma_atoms`` warpgroups over ``mma_tiler``), the
+    shared-memory layouts of the W slab (``w_rows`` x BK) and the token tile (``tile_t`` x BK)
+    per stage, and their TMA loads.
+    Returns (mC4, tiled_mma, sW_layout, sX_layout, tma_w, tma_mW, tma_x, tma_mX)."""
+    mA = cute.make_tensor(a, cute.make_layout((m_load, k), stride=(k, 1)))
+    mW = cute.make_tensor(w, cute.make_layout((n, k), stride=(k, 1)))
+    mC4 = cute.make_tensor(c, cute.make_layout((4, n // 4, m), stride=(1, 4, n)))
+    row = LayoutEnum.ROW_MAJOR
+    tiled_mma = sm90_utils.make_trivial_tiled_mma(
+        ab_dtype, ab_dtype, row.sm90_mma_major_mode(), row.sm90_mma_major_mode(), acc_dtype,
+        mma_atoms, tiler_mn=mma_tiler)
+    sW_layout = sm90_utils.make_smem_layout_a(row, tile_mnk, ab_dtype, stages)
+    sX_layout = sm90_utils.make_smem_layout_b(row, tile_mnk, ab_dtype, stages)
+    tma_w, tma_mW = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(sW_layout, (None, None, 0)),
+        (w_rows, BK))
+    tma_x, tma_mX = cpasync.make_tiled_tma_atom(
+        cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sX_layout, (None, None, 0)),
+        (tile_t, BK))
+    return mC4, tiled_mma, sW_layout, sX_layout, tma_w, tma_mW, tma_x, tma_mX
+
+
 @cute.jit
 def cluster_sum_store(src: cute.Tensor, dst: cute.Tensor, split_k: cutlass.Constexpr,
                       acc_dtype: cutlass.Constexpr, c_dtype: cutlass.Constexpr):

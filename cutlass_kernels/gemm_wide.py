@@ -47,12 +47,16 @@ import cutlass_kernels._common  # noqa: F401  (sets CUTE_DSL_ARCH before cutlass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
-from cutlass.tensor_utils import LayoutEnum
 
-from cutlass_kernels.gemm_sm90 import BK, MBAR_RESERVE, SMEM_CAPACITY, cluster_sum_store
+from cutlass_kernels.gemm_sm90 import (
+    BK,
+    MBAR_RESERVE,
+    SMEM_CAPACITY,
+    cluster_sum_store,
+    swap_ab_operands,
+)
 
 SLABS = (128, 256)
 TILES = (64, 128, 192, 256)
@@ -106,23 +110,10 @@ class GemmWideSm90:
     def __call__(self, a: cute.Pointer, w: cute.Pointer, c: cute.Pointer, m: cutlass.Int32,
                  m_load: cutlass.Int32, stream: cuda.CUstream):
         n, k = self.n, self.k
-        mA = cute.make_tensor(a, cute.make_layout((m_load, k), stride=(k, 1)))
-        mW = cute.make_tensor(w, cute.make_layout((n, k), stride=(k, 1)))
-        # C as float4-sized vectors: (4, N/4, M); slices [None, j, t] are 4-element aligned.
-        mC4 = cute.make_tensor(c, cute.make_layout((4, n // 4, m), stride=(1, 4, n)))
-        row = LayoutEnum.ROW_MAJOR
-
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype, row.sm90_mma_major_mode(), row.sm90_mma_major_mode(),
-            self.acc_dtype, (self.mma_warpgroups, 1, 1), tiler_mn=(64, self.tile_t))
-        sW_layout = sm90_utils.make_smem_layout_a(row, self.tile_mnk, self.ab_dtype, self.stages)
-        sX_layout = sm90_utils.make_smem_layout_b(row, self.tile_mnk, self.ab_dtype, self.stages)
-        tma_w, tma_mW = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mW, cute.slice_(sW_layout, (None, None, 0)),
-            (self.slab, BK))
-        tma_x, tma_mX = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA, cute.slice_(sX_layout, (None, None, 0)),
-            (self.tile_t, BK))
+        (mC4, tiled_mma, sW_layout, sX_layout, tma_w, tma_mW, tma_x,
+         tma_mX) = swap_ab_operands(a, w, c, n, k, m, m_load, self.ab_dtype, self.acc_dtype,
+                                    self.tile_mnk, self.stages, (self.mma_warpgroups, 1, 1),
+                                    (64, self.tile_t), self.slab, self.tile_t)
 
         @cute.struct
         class SharedStorage:
