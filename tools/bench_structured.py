@@ -35,6 +35,15 @@ SCHEMAS = {
                        "age": {"type": "integer", "minimum": 0, "maximum": 120},
                        "role": {"enum": ["admin", "user", "guest"]},
                        "active": {"type": "boolean"}}}},
+    # the records without the length and range bounds, as most extraction schemas are written:
+    # llguidance's masks inside a string with maxLength cost 1-3 ms each (dev box; no fast path
+    # for a bounded string), 30 us median without it (docs/perf.md v20)
+    "records_unbounded": {"type": "array", "minItems": 200, "items": {
+        "type": "object", "additionalProperties": False,
+        "required": ["name", "age", "role", "active"],
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                       "role": {"enum": ["admin", "user", "guest"]},
+                       "active": {"type": "boolean"}}}},
 }
 
 
@@ -120,6 +129,9 @@ def main() -> None:
     _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks")
     _Timed(acc, "prepare", eng.processors, "prepare")
     _Timed(acc, "after_step", eng.processors, "after_step")
+    _Timed(acc, "update", eng.scheduler, "update_from_output")
+    _Timed(acc, "schedule", eng.scheduler, "schedule_continuation")
+    _Timed(acc, "build", eng, "_build")
     _Timed(acc, "stage", eng.executor.buf.procs, "stage") if hasattr(eng.executor, "buf") \
         else None
 

@@ -112,9 +112,11 @@ class CudaExecutor(Executor):
                      self.num_pages, self.kv_bytes / 2**30)
         self.graphs: GraphRunner | None = None  # decode steps replay per-bucket graphs
         # per bucket, the forward and the LM head alone: a step with grammar-constrained rows
-        # replays it, computes the grammar masks on the host meanwhile, then runs the sampling
-        # tail (decode_tail) eagerly
+        # replays it, computes the grammar masks on the host meanwhile, then replays the
+        # bucket's sampling tail (decode_tail: processors, sampler, counts), one launch instead
+        # of three eager kernel calls (~0.2 ms of host time at 0.6b, docs/perf.md v20)
         self.heads: GraphRunner | None = None
+        self.tails: GraphRunner | None = None
         # per bucket of sequences that speculate (speculative_config): a verify step of
         # bucket x (k + 1) rows (verify_body)
         self.verify: GraphRunner | None = None
@@ -126,11 +128,13 @@ class CudaExecutor(Executor):
         if not config.enforce_eager:
             self.graphs = self.graph_runner()
             self.heads = self.graph_runner(body=self.decode_head)
+            self.tails = self.graph_runner(body=lambda bucket, _splits: self.decode_tail(bucket))
             self.verify = self.verify_runner()
             if not self.graphs.lazy:
                 self.graph_stats = self.graphs.capture_all(show=verbose)
                 heads = self.heads.capture_all(show=False)
-                self.graph_stats["head_capture_s"] = heads["capture_s"]
+                tails = self.tails.capture_all(show=False)
+                self.graph_stats["head_capture_s"] = heads["capture_s"] + tails["capture_s"]
                 if self.verify is not None:
                     ver = self.verify.capture_all(show=False)
                     self.graph_stats["verify_capture_s"] = ver["capture_s"]
@@ -443,14 +447,15 @@ class CudaExecutor(Executor):
             split = (bucket is not None and b.procs is not None and b.procs.fill is not None
                      and self.heads is not None and self.heads.can_replay(b.num_seqs))
             if split:
-                self.heads.pad(b.num_seqs)  # (a lazy capture, before the upload)
+                self.heads.pad(b.num_seqs)  # (lazy captures, before the upload)
+                self.tails.pad(b.num_seqs)
             self.upload(b, pad_to=bucket)
             if split:
                 self.upload_sampling(b, pad_to=bucket, procs=False)
                 self.heads.replay(bucket)  # the GPU runs the forward ...
                 b.procs.fill_masks()  # ... while the host computes the grammar masks
                 buf.procs.stage(b.procs, bucket, st)
-                self.decode_tail(bucket)
+                self._tail(bucket)
                 graph = True
             elif self.graphs is not None and bucket is not None:
                 self.upload_sampling(b, pad_to=bucket)
@@ -574,8 +579,18 @@ class CudaExecutor(Executor):
             return super().launch_procs(handle, procs)
         n, bucket = handle.batch.num_seqs, handle.bucket
         self.buf.procs.stage(procs, bucket, self.stream)  # (computes the grammar masks)
-        self.decode_tail(bucket)
+        self._tail(bucket)
         return self._download_async(n)
+
+    def _tail(self, bucket: int) -> None:
+        """The sampling tail of a heads-graph step: its bucket's tail graph when captured (a
+        lazy capture would overwrite the staged step: it runs in ``execute``, before the
+        upload), else the same kernels eagerly."""
+        t = self.tails
+        if t is not None and bucket in t.graphs:
+            t.replay(bucket)
+        else:
+            self.decode_tail(bucket)
 
     def _download_async(self, n: int) -> _InFlight:
         """The samples of rows 0..n-1 into a pinned buffer behind an event."""

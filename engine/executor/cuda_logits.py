@@ -74,7 +74,6 @@ class ProcessorBuffers:
                 self.flags.fill_bytes(0, stream)
                 self.clear = True
             return
-        rows.fill_masks()  # (already done when the executor overlapped them with the forward)
         n = rows.flags.shape[0]
         k = int(rows.sparse_start[-1])
         if k > self.sparse_cap or rows.grammar_mask.shape[0] > self.rows:
@@ -91,12 +90,14 @@ class ProcessorBuffers:
         self.slot.upload(rows.slot, stream)
         self.penalties.upload(rows.penalties, stream)
         self.grammar_row.upload(rows.grammar_row, stream)
-        if rows.grammar_mask.shape[0]:
-            self._upload_masks(rows.grammar_mask, stream)
         self.sparse_start.upload(rows.sparse_start, stream)
         if k:
             self.sparse_ids.upload(rows.sparse_ids, stream)
             self.sparse_vals.upload(rows.sparse_vals, stream)
+        # the grammar masks last: the rows above go up while the mask threads finish
+        rows.fill_masks()  # (computes them, or waits for fill_async's)
+        if rows.grammar_mask.shape[0]:
+            self._upload_masks(rows.grammar_mask, stream)
         if (rows.flags & FLAG_SAVE_RAW).any():
             self.grammar_flags = np.concatenate([rows.flags & FLAG_GRAMMAR,
                                                  np.zeros(max(pad, 0), np.uint32)])

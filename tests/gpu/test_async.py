@@ -69,9 +69,12 @@ def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
     del sync
     llm = LLM(str(model_dir), async_scheduling=True, **opts)
     seen = _deferred_count(llm)
-    heads0 = llm.engine.executor.heads.replays
+    ex = llm.engine.executor
+    heads0, tails0 = ex.heads.replays, ex.tails.replays
     _same(llm.generate(prompts, params), want, f"seed {seed}")
-    heads = llm.engine.executor.heads.replays - heads0
+    heads = ex.heads.replays - heads0
     assert seen[0] > 0 and heads > 0, (seen, heads)
+    assert ex.tails.replays - tails0 == heads, "a heads step whose tail did not replay"  # eager
     assert llm.engine.block_manager.gauges()["live"] == 0
-    report({"test": "deferred_procs_equal_sync_cuda", "deferred": seen[0], "head_replays": heads})
+    report({"test": "deferred_procs_equal_sync_cuda", "deferred": seen[0], "head_replays": heads,
+            "tail_replays": ex.tails.replays - tails0})

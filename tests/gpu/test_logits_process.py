@@ -250,6 +250,7 @@ def test_structured_rows_overlap_their_masks_and_match_eager(tmp_path):
     a = g.generate(prompts, sp)
     b = e.generate(prompts, sp)
     assert g.engine.executor.heads.replays > 0, "no step took the overlapped path"
+    assert g.engine.executor.tails.replays == g.engine.executor.heads.replays
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     for i in range(1, 12, 3):
         assert re.fullmatch(regex, a[i].outputs[0].text), a[i].outputs[0].text
