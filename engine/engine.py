@@ -311,8 +311,9 @@ class LLMEngine(OutputViews):
         words, min_tokens) depend on the tokens of the step before, so step N+1's forward is
         launched first (``launch_deferred``), its rows are built once N is complete and its
         grammar masks computed on a worker thread while this thread processes N's outputs and
-        plans N+2; the next call joins them and launches N+1's sampling (``launch_procs``)
-        right before N+2's forward."""
+        plans N+2; the next call joins them and launches N+1's sampling (``launch_procs``),
+        N+2's forward queued right behind it (``launch_deferred`` before ``launch_procs``: the
+        executor stages it first and starts it right after N+1's tail)."""
         assert self._pending is not None
         out, handle, failure = self._pending
         self._pending = None
@@ -324,16 +325,25 @@ class LLMEngine(OutputViews):
         if nxt is not None:
             deferred = self.processors.active and any(s.request.procs for s in nxt.seqs)
             batch, bad = self._build(nxt, deferred)
-        if isinstance(handle, _Later):  # out's rows are ready (its masks maybe still computing)
-            handle, failure = self._launch_procs(handle)
-            if failure is not None and nxt is not None:
-                self.scheduler.fail_step(nxt, set(), "the step before it failed")
-                nxt = None
         launched = None
         if nxt is not None:
             row = {id(s.request): i for i, s in enumerate(out.seqs)}
             src = np.array([row[id(s.request)] for s in nxt.seqs], np.int64)
-            launched = (None, bad) if bad is not None else self._start(batch, src, deferred)
+            if bad is not None:
+                launched = (None, bad)
+            elif deferred and isinstance(handle, _Later):
+                # before out's sampling: the executor stages the next forward and starts it
+                # right behind out's tail (``launch_procs``), not after this host's work
+                launched = self._start(batch, src, deferred)
+        if isinstance(handle, _Later):  # out's rows are ready (its masks maybe still computing)
+            handle, failure = self._launch_procs(handle)
+            if failure is not None and nxt is not None:
+                if launched is not None:
+                    self._finish(*launched)  # (queued behind out's tail: never runs)
+                self.scheduler.fail_step(nxt, set(), "the step before it failed")
+                nxt = None
+        if nxt is not None and launched is None:
+            launched = self._start(batch, src, deferred)
         step, failure = self._finish(handle, failure)
         if failure is not None and nxt is not None:
             # the next step's inputs are not valid: discard it, give its slots back first

@@ -60,12 +60,14 @@ class _InFlight:
 
 
 class _Heads:
-    """A deferred step whose heads graph runs; its tail waits for ``launch_procs``."""
+    """A deferred step whose heads graph runs (``queued``: will run, right after the tail of
+    the deferred step before it); its tail waits for ``launch_procs``."""
 
-    __slots__ = ("batch", "bucket")
+    __slots__ = ("batch", "bucket", "src_rows", "queued")
 
-    def __init__(self, batch: StepBatch, bucket: int) -> None:
-        self.batch, self.bucket = batch, bucket
+    def __init__(self, batch: StepBatch, bucket: int, src_rows: np.ndarray | None = None,
+                 queued: bool = False) -> None:
+        self.batch, self.bucket, self.src_rows, self.queued = batch, bucket, src_rows, queued
 
 
 def _copy_runs(src_ptr: int, dst_ptr: int, src_rows: np.ndarray, stream: Stream) -> None:
@@ -121,6 +123,11 @@ class CudaExecutor(Executor):
         # bucket x (k + 1) rows (verify_body)
         self.verify: GraphRunner | None = None
         self._inflight: _Done | _InFlight | None = None  # the last launched step (launch)
+        # deferred steps (launch_deferred): the last one whose processors have not come yet,
+        # and a step queued behind it (its heads replay right after that one's tail)
+        self._awaiting: Any = None
+        self._queued: _Heads | None = None
+        self.queued_heads = 0  # forwards launched right behind the tail before them
         self._pinned: list[PinnedBuffer] | None = None  # its samples, double-buffered
         self._events: list[Event] = []
         self._flip = 0
@@ -571,16 +578,47 @@ class CudaExecutor(Executor):
         h = self.heads
         n = b.num_seqs
         if not (self._async_ok(b) and h is not None and h.plan.bucket(n) in h.graphs):
-            return super().launch_deferred(b, src_rows)
-        return _Heads(b, self._replay_continuation(h, b, src_rows, procs=False))
+            out = super().launch_deferred(b, src_rows)
+        elif self._awaiting is None:
+            out = _Heads(b, self._replay_continuation(h, b, src_rows, procs=False))
+        else:
+            # the deferred step before still waits for its processors: its tail samples this
+            # step's input tokens (and reads the sampling rows this step would overwrite), so
+            # this forward is queued behind it (``launch_procs``). The token rows go up now (no
+            # tail reads them): between the tail and this forward the host only copies the
+            # input tokens and the sampling rows, and the GPU barely waits
+            self._check(b)
+            bucket = h.pad(n)
+            if self.staged is not None:
+                self.staged.put_tokens(b, bucket - n, self.stream)
+            out = self._queued = _Heads(b, bucket, src_rows, queued=True)
+            return out
+        self._awaiting = out
+        return out
 
     def launch_procs(self, handle: Any, procs: ProcessorRows | None) -> Any:
+        if handle is self._awaiting:
+            self._awaiting = None
         if not isinstance(handle, _Heads):
-            return super().launch_procs(handle, procs)
-        n, bucket = handle.batch.num_seqs, handle.bucket
-        self.buf.procs.stage(procs, bucket, self.stream)  # (computes the grammar masks)
-        self._tail(bucket)
-        return self._download_async(n)
+            out = super().launch_procs(handle, procs)
+        else:
+            n, bucket = handle.batch.num_seqs, handle.bucket
+            self.buf.procs.stage(procs, bucket, self.stream)  # (computes the grammar masks)
+            self._tail(bucket)
+            out = self._download_async(n)
+        q, self._queued = self._queued, None
+        if q is not None:  # the forward queued behind this tail
+            buf, h = self.buf, self.heads
+            if self.staged is None:
+                self.upload(q.batch, pad_to=q.bucket)
+            if q.src_rows is not None:
+                _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, q.src_rows, self.stream)
+            self.upload_sampling(q.batch, pad_to=q.bucket, procs=False)
+            h.replay(q.bucket)
+            q.queued = False
+            self._awaiting = q
+            self.queued_heads += 1
+        return out
 
     def _tail(self, bucket: int) -> None:
         """The sampling tail of a heads-graph step: its bucket's tail graph when captured (a
@@ -608,8 +646,13 @@ class CudaExecutor(Executor):
     def finish(self, handle: Any) -> StepOutput:
         if isinstance(handle, _Done):
             return handle.out
+        if handle is self._awaiting:
+            self._awaiting = None
         if isinstance(handle, _Heads):  # discarded before its processors came
-            self.stream.synchronize()
+            if handle is self._queued:  # (never launched)
+                self._queued = None
+            elif not handle.queued:
+                self.stream.synchronize()
             return StepOutput(sampled=np.zeros(0, np.int32))
         if not isinstance(handle, _InFlight):
             return super().finish(handle)

@@ -75,6 +75,43 @@ def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
     heads = ex.heads.replays - heads0
     assert seen[0] > 0 and heads > 0, (seen, heads)
     assert ex.tails.replays - tails0 == heads, "a heads step whose tail did not replay"  # eager
+    assert ex.queued_heads > 0, "no forward was queued behind the tail before it"
+    assert ex._queued is None and ex._awaiting is None
     assert llm.engine.block_manager.gauges()["live"] == 0
     report({"test": "deferred_procs_equal_sync_cuda", "deferred": seen[0], "head_replays": heads,
-            "tail_replays": ex.tails.replays - tails0})
+            "tail_replays": ex.tails.replays - tails0, "queued_heads": ex.queued_heads})
+
+
+def test_a_failing_deferred_step_discards_the_forward_queued_behind_it(model_dir):
+    """``launch_procs`` raising while the next step's forward is queued behind its tail: the
+    failed step's requests end with the error, the queued forward never runs (nothing is left
+    queued or awaiting), and the engine serves on with synchronous scheduling's outputs."""
+    from engine import SamplingParams
+
+    opts = dict(backend="cuda", max_num_seqs=8, max_model_len=256,
+                num_gpu_blocks_override=8 * 16 + 8)
+    llm = LLM(str(model_dir), async_scheduling=True, **opts)
+    ex = llm.engine.executor
+    inner, calls, queued = ex.launch_procs, [0], [0]
+
+    def flaky(handle, procs):
+        calls[0] += 1
+        if calls[0] >= 3 and ex._queued is not None:
+            queued[0] += 1
+            raise RuntimeError("injected")
+        return inner(handle, procs)
+
+    ex.launch_procs = flaky
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    outs = llm.generate([[5, 6, 7], [8, 9, 10]], [sp, sp])
+    assert queued[0] == 1, "no failure while a forward was queued"
+    assert all(o.outputs[0].finish_reason == "error" for o in outs), outs
+    assert "injected" in (outs[0].outputs[0].error or "")
+    assert ex._queued is None and ex._awaiting is None
+    ex.launch_procs = inner
+    again = llm.generate([[5, 6, 7], [8, 9, 10]], [sp, sp])
+    want = LLM(str(model_dir), async_scheduling=False, **opts).generate(
+        [[5, 6, 7], [8, 9, 10]], [sp, sp])
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.block_manager.gauges()["live"] == 0
+    report({"test": "deferred_failure_with_queued_forward", "queued_heads": ex.queued_heads})
