@@ -23,12 +23,14 @@ import numpy as np
 
 from engine.cuda.driver import DeviceBuffer, Event, PinnedBuffer, Stream
 from engine.executor.base import ExecutorError
+from engine.executor.staged_inputs import PinnedMirror
 from engine.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from engine.step import FLAG_GRAMMAR, FLAG_SAVE_RAW, ProcessorRows
 
 # sparse entries one row may need: its logit_bias, min_tokens' stops and EOS, bad words (two
 # spellings each)
 ROW_SPARSE = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + 2 * MAX_BAD_WORDS + 64
+ROWS = ("flags", "slot", "penalties", "grammar_row", "sparse_start", "sparse_ids", "sparse_vals")
 
 
 def _view(buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
@@ -42,14 +44,15 @@ class ProcessorBuffers:
         self.vocab, self.stride, self.rows, self.slots = vocab, row_stride, rows, slots
         self.words = w = (vocab + 31) // 32
         self.sparse_cap = rows * ROW_SPARSE
+        # the per-step rows, in ROWS order (one pinned mirror, ``_upload_rows``)
         self.flags = a(rows, np.uint32, "proc_flags")
         self.slot = a(rows, np.int32, "proc_slot")
         self.penalties = a((rows, 3), np.float32, "proc_penalties")
         self.grammar_row = a(rows, np.int32, "proc_grammar_row")
-        self.gmask = a((rows, w), np.uint32, "proc_gmask")
         self.sparse_start = a(rows + 1, np.int32, "proc_sparse_start")
         self.sparse_ids = a(self.sparse_cap, np.int32, "proc_sparse_ids")
         self.sparse_vals = a(self.sparse_cap, np.float32, "proc_sparse_vals")
+        self.gmask = a((rows, w), np.uint32, "proc_gmask")
         self.counts = a((slots, vocab), np.int32, "proc_counts")
         self.counted = a(slots, np.int32, "proc_counted")
         self.last = a(slots, np.int32, "proc_last")
@@ -64,6 +67,8 @@ class ProcessorBuffers:
         self._mask_pin: list[PinnedBuffer] = []
         self._mask_ev: list[Event] = []
         self._mask_flip = 0
+        self._mirror: PinnedMirror | None = None  # the rows' pinned copy (made on first use)
+        self._mirror_ev: Event | None = None  # behind its last copies
         self.grammar_flags: np.ndarray | None = None  # set when a logprob row needs raw logits
 
     def stage(self, rows: ProcessorRows | None, num_rows: int, stream: Stream) -> None:
@@ -83,17 +88,8 @@ class ProcessorBuffers:
         for init in rows.inits:
             self._init_slot(init, stream)
         pad = num_rows - n
-        flags = rows.flags if pad <= 0 else np.concatenate([rows.flags,
-                                                            np.zeros(pad, np.uint32)])
-        self.flags.upload(flags, stream)
+        self._upload_rows(rows, max(pad, 0), k, stream)
         self.clear = False
-        self.slot.upload(rows.slot, stream)
-        self.penalties.upload(rows.penalties, stream)
-        self.grammar_row.upload(rows.grammar_row, stream)
-        self.sparse_start.upload(rows.sparse_start, stream)
-        if k:
-            self.sparse_ids.upload(rows.sparse_ids, stream)
-            self.sparse_vals.upload(rows.sparse_vals, stream)
         # the grammar masks last: the rows above go up while the mask threads finish
         rows.fill_masks()  # (computes them, or waits for fill_async's)
         if rows.grammar_mask.shape[0]:
@@ -101,6 +97,45 @@ class ProcessorBuffers:
         if (rows.flags & FLAG_SAVE_RAW).any():
             self.grammar_flags = np.concatenate([rows.flags & FLAG_GRAMMAR,
                                                  np.zeros(max(pad, 0), np.uint32)])
+
+    def _upload_rows(self, rows: ProcessorRows, pad: int, k: int, stream: Stream) -> None:
+        """flags (+ ``pad`` zero rows), slot, penalties, grammar_row, sparse_start and the
+        ``k`` sparse entries: written into the pinned mirror, up in one copy (three with sparse
+        entries). Seven small pageable copies took ~5 us each of the stream's time between the
+        heads graph and the tail (docs/perf.md v20)."""
+        if self._mirror is None:
+            try:
+                self._mirror = PinnedMirror(self, ROWS)
+            except ValueError:  # not one span (buffers of their own): one copy per array
+                self._upload_each(rows, pad, k, stream)
+                return
+            self._mirror_ev = Event(timing=False)
+        else:
+            self._mirror_ev.synchronize()  # its previous copies are done (nearly always)
+        v, n = self._mirror.v, rows.flags.shape[0]
+        v["flags"][:n] = rows.flags
+        v["flags"][n:n + pad] = 0
+        v["slot"][:n] = rows.slot
+        v["penalties"][:n] = rows.penalties
+        v["grammar_row"][:n] = rows.grammar_row
+        v["sparse_start"][:n + 1] = rows.sparse_start
+        self._mirror.copy("flags", "sparse_start", stream)
+        if k:
+            v["sparse_ids"][:k] = rows.sparse_ids
+            v["sparse_vals"][:k] = rows.sparse_vals
+            self._mirror.copy("sparse_ids", "sparse_ids", stream, last_bytes=4 * k)
+            self._mirror.copy("sparse_vals", "sparse_vals", stream, last_bytes=4 * k)
+        self._mirror_ev.record(stream)
+
+    def _upload_each(self, rows: ProcessorRows, pad: int, k: int, stream: Stream) -> None:
+        self.flags.upload(np.concatenate([rows.flags, np.zeros(pad, np.uint32)]), stream)
+        self.slot.upload(rows.slot, stream)
+        self.penalties.upload(rows.penalties, stream)
+        self.grammar_row.upload(rows.grammar_row, stream)
+        self.sparse_start.upload(rows.sparse_start, stream)
+        if k:
+            self.sparse_ids.upload(rows.sparse_ids, stream)
+            self.sparse_vals.upload(rows.sparse_vals, stream)
 
     def _upload_masks(self, mask: np.ndarray, stream: Stream) -> None:
         if not self._mask_pin:
@@ -118,6 +153,10 @@ class ProcessorBuffers:
         for p in self._mask_pin:
             p.close()
         self._mask_pin = []
+        if self._mirror is not None:
+            self._mirror_ev.synchronize()
+            self._mirror.close()
+            self._mirror = None
 
     def _init_slot(self, init: Any, stream: Stream) -> None:
         s, v, w = init.slot, self.vocab, self.words

@@ -28,18 +28,43 @@ from engine.cuda.driver import DeviceBuffer, Event, PinnedBuffer, Stream, _cu, c
 TOKENS = ("input_ids", "positions", "slot_mapping", "cu_seqlens", "context_lens")
 SAMPLING = ("logit_idx", "temperature", "top_k", "top_p", "min_p", "seeds", "steps")
 ORDER = (*TOKENS, "page_indices", *SAMPLING)
+GAP = 256  # the arena's alignment: buffers allocated one after the other lie closer than this
 
 
-class StagedInputs:
-    def __init__(self, buf: Any) -> None:
-        """``buf``: ``StepBuffers``. ValueError when its buffers are not laid out in ORDER."""
-        dev = [getattr(buf, n) for n in ORDER]
-        if any(a.ptr + a.nbytes > b.ptr for a, b in zip(dev, dev[1:], strict=False)):
-            raise ValueError("the step's input buffers are not consecutive in the arena")
+class PinnedMirror:
+    """A page-locked host copy of device buffers that lie one after the other in the arena
+    (``names``, in address order): a numpy view per buffer at its own offset, and copies of
+    any run of them straight from pinned memory. ValueError when they are not in that order."""
+
+    def __init__(self, owner: Any, names: tuple[str, ...]) -> None:
+        dev = [getattr(owner, n) for n in names]
+        if any(not 0 <= b.ptr - (a.ptr + a.nbytes) < GAP
+               for a, b in zip(dev, dev[1:], strict=False)):
+            raise ValueError(f"{names[0]}..{names[-1]} are not consecutive in the arena")
         self.base = dev[0].ptr
         self.pinned = PinnedBuffer(dev[-1].ptr + dev[-1].nbytes - self.base, np.uint8)
-        self.dev: dict[str, DeviceBuffer] = dict(zip(ORDER, dev, strict=True))
+        self.dev: dict[str, DeviceBuffer] = dict(zip(names, dev, strict=True))
         self.v: dict[str, np.ndarray] = {n: self._view(d) for n, d in self.dev.items()}
+
+    def _view(self, d: DeviceBuffer) -> np.ndarray:
+        off = d.ptr - self.base
+        return self.pinned.array[off:off + d.nbytes].view(d.dtype).reshape(d.shape)
+
+    def copy(self, first: str, last: str, stream: Stream, last_bytes: int | None = None) -> None:
+        """Buffers ``first``..``last`` to the device (of ``last`` its first ``last_bytes``)."""
+        lo, d = self.dev[first].ptr, self.dev[last]
+        n = d.ptr + (d.nbytes if last_bytes is None else last_bytes) - lo
+        check(_cu().cuMemcpyHtoDAsync(lo, self.pinned.ptr + (lo - self.base), n, stream.handle),
+              "cuMemcpyHtoDAsync")
+
+    def close(self) -> None:
+        self.pinned.close()
+
+
+class StagedInputs(PinnedMirror):
+    def __init__(self, buf: Any) -> None:
+        """``buf``: ``StepBuffers``. ValueError when its buffers are not laid out in ORDER."""
+        super().__init__(buf, ORDER)
         self.row_bytes = buf.page_indices.shape[1] * 4
         self.copied = {"tokens": Event(timing=False), "sampling": Event(timing=False)}
         self.pending = {"tokens": False, "sampling": False}
@@ -52,16 +77,6 @@ class StagedInputs:
     def _done(self, group: str, stream: Stream) -> None:
         self.copied[group].record(stream)
         self.pending[group] = True
-
-    def _view(self, d: DeviceBuffer) -> np.ndarray:
-        off = d.ptr - self.base
-        return self.pinned.array[off:off + d.nbytes].view(d.dtype).reshape(d.shape)
-
-    def _copy(self, first: str, last: str, stream: Stream, last_bytes: int | None = None) -> None:
-        lo, d = self.dev[first].ptr, self.dev[last]
-        n = d.ptr + (d.nbytes if last_bytes is None else last_bytes) - lo
-        check(_cu().cuMemcpyHtoDAsync(lo, self.pinned.ptr + (lo - self.base), n, stream.handle),
-              "cuMemcpyHtoDAsync")
 
     def put_tokens(self, b: Any, pad: int, stream: Stream) -> None:
         """The token group and the page rows of StepBatch ``b``, plus ``pad`` padding rows
@@ -84,8 +99,8 @@ class StagedInputs:
             v["page_indices"][rows:rows + pad, :width] = 0
         else:
             v["cu_seqlens"][:n + 1] = b.cu_seqlens_q
-        self._copy("input_ids", "context_lens", stream)
-        self._copy("page_indices", "page_indices", stream,
+        self.copy("input_ids", "context_lens", stream)
+        self.copy("page_indices", "page_indices", stream,
                    last_bytes=(rows + max(pad, 0)) * self.row_bytes)
         self._done("tokens", stream)
 
@@ -103,11 +118,11 @@ class StagedInputs:
             v[name][:n] = src
             if pad > 0:
                 v[name][n:n + pad] = fill
-        self._copy("logit_idx", "steps", stream)
+        self.copy("logit_idx", "steps", stream)
         self._done("sampling", stream)
 
     def close(self) -> None:
         for g in self.copied:
             self._wait(g)
             _cu().cuEventDestroy(self.copied[g].handle)
-        self.pinned.close()
+        super().close()

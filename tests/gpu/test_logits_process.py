@@ -69,8 +69,16 @@ def test_logits_process_matches_numpy(cuda_ctx, stream, seed, vocab, rows):
         logits_process = compile_logits_process(vocab)
         count_tokens = compile_count_tokens(vocab)
 
-    bufs = ProcessorBuffers(vocab, vocab, rows, rows + 3, _DeviceArena(), stream)
+    # the engine's arena (the rows go up through one pinned mirror), or buffers of their own
+    # (one copy per array)
+    from engine.cuda.driver import Arena
+
+    mirrored = vocab != 999
+    arena = Arena((rows + 3) * vocab * 12 + (rows + 1) * 8192 + (1 << 24)) if mirrored \
+        else _DeviceArena()
+    bufs = ProcessorBuffers(vocab, vocab, rows, rows + 3, arena, stream)
     bufs.stage(step, rows, stream)
+    assert (bufs._mirror is not None) == mirrored
     d_logits = to_device(logits)
     d_steps = to_device(steps)
     bufs.apply(K, d_logits, d_steps, rows, stream)
