@@ -343,3 +343,29 @@ def test_refs_agree_with_per_element_loops():
     written = np.zeros(k2.shape, bool)
     written[1, 0, 1] = True
     assert not np.any(k2.astype(np.float32)[~written])  # token 0 (slot -1) wrote nothing
+
+
+@pytest.mark.parametrize("threads,unroll", [(512, 4), (256, 1)])
+def test_read_stream_compiles_with_vector_loads(threads, unroll, tmp_path, monkeypatch):
+    """The read-only streaming kernel compiles for sm_90a on the CPU with ``unroll`` 128-bit
+    loads in its loop; bad launch parameters are refused before any GPU work."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutlass_kernels._common import KernelArgError, fake_ptr, fake_stream
+    from cutlass_kernels.read_stream import MAX_VEC, ReadStream, compile_read_stream
+
+    launcher = compile_read_stream(threads, unroll)
+    assert launcher is compile_read_stream(threads, unroll)
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes a .ptx file into the working directory
+    ptx = cute.compile(ReadStream(threads, unroll), fake_ptr("u32", 16), fake_ptr("u32", 4),
+                       cutlass.Int32(1), cutlass.Int32(1), fake_stream(),
+                       options="--keep-ptx").__ptx__
+    assert ".target sm_90a" in ptx
+    assert ptx.count("ld.global.v4.b32") == unroll
+    with pytest.raises(KernelArgError, match="num_vec"):
+        launcher(256, 256, MAX_VEC, 1, None)
+    with pytest.raises(KernelArgError, match="num_ctas"):
+        launcher(256, 256, 1, 0, None)
+    with pytest.raises(ValueError, match="threads"):
+        ReadStream(100)

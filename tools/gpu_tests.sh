@@ -44,8 +44,9 @@ declare -A G=(
   [spec]="tests/gpu/test_speculative.py"
   [mixed]="tests/gpu/test_mixed_steps.py"
   [async]="tests/gpu/test_async.py"
+  [read]="tests/gpu/test_read_stream.py"
 )
-TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec mixed async"}
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec mixed async read"}
 for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \
