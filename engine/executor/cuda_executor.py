@@ -63,11 +63,12 @@ class _Heads:
     """A deferred step whose heads graph runs (``queued``: will run, right after the tail of
     the deferred step before it); its tail waits for ``launch_procs``."""
 
-    __slots__ = ("batch", "bucket", "src_rows", "queued")
+    __slots__ = ("batch", "bucket", "src_rows", "queued", "tokens_up")
 
     def __init__(self, batch: StepBatch, bucket: int, src_rows: np.ndarray | None = None,
                  queued: bool = False) -> None:
         self.batch, self.bucket, self.src_rows, self.queued = batch, bucket, src_rows, queued
+        self.tokens_up = False  # (queued) its token rows went up before the tail ahead of it
 
 
 def _copy_runs(src_ptr: int, dst_ptr: int, src_rows: np.ndarray, stream: Stream) -> None:
@@ -584,14 +585,16 @@ class CudaExecutor(Executor):
         else:
             # the deferred step before still waits for its processors: its tail samples this
             # step's input tokens (and reads the sampling rows this step would overwrite), so
-            # this forward is queued behind it (``launch_procs``). The token rows go up now (no
-            # tail reads them): between the tail and this forward the host only copies the
-            # input tokens and the sampling rows, and the GPU barely waits
+            # this forward is queued behind it (``launch_procs``). Behind a heads step the
+            # token rows go up now (its tail reads none): between the tail and this forward the
+            # host only copies the input tokens and the sampling rows, and the GPU barely
+            # waits. Behind any other deferred step they wait (it runs whole in launch_procs,
+            # and its own upload would overwrite them)
             self._check(b)
-            bucket = h.pad(n)
-            if self.staged is not None:
-                self.staged.put_tokens(b, bucket - n, self.stream)
-            out = self._queued = _Heads(b, bucket, src_rows, queued=True)
+            out = self._queued = _Heads(b, h.pad(n), src_rows, queued=True)
+            if self.staged is not None and isinstance(self._awaiting, _Heads):
+                self.staged.put_tokens(b, out.bucket - n, self.stream)
+                out.tokens_up = True
             return out
         self._awaiting = out
         return out
@@ -609,7 +612,7 @@ class CudaExecutor(Executor):
         q, self._queued = self._queued, None
         if q is not None:  # the forward queued behind this tail
             buf, h = self.buf, self.heads
-            if self.staged is None:
+            if not q.tokens_up:
                 self.upload(q.batch, pad_to=q.bucket)
             if q.src_rows is not None:
                 _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, q.src_rows, self.stream)

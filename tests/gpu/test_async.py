@@ -115,3 +115,31 @@ def test_a_failing_deferred_step_discards_the_forward_queued_behind_it(model_dir
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.block_manager.gauges()["live"] == 0
     report({"test": "deferred_failure_with_queued_forward", "queued_heads": ex.queued_heads})
+
+
+def test_deferred_steps_behind_a_whole_deferred_step_equal_synchronous(model_dir):
+    """A request with logprobs makes its deferred steps run whole (no heads graph); when it
+    finishes, the next deferred step's forward is queued behind such a step, whose own upload
+    would overwrite token rows sent early: they must go up after it. Outputs (tokens and the
+    logprob request's logprobs) equal synchronous scheduling's, and forwards were queued."""
+    from engine import SamplingParams
+
+    opts = dict(backend="cuda", max_num_seqs=8, max_model_len=256,
+                num_gpu_blocks_override=8 * 16 + 8)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(5, 300, int(rng.integers(3, 30))).tolist() for _ in range(6)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True,
+                             repetition_penalty=1.3, logprobs=1 if i < 2 else None)
+              for i in range(6)]
+    want = LLM(str(model_dir), async_scheduling=False, **opts).generate(prompts, params)
+    llm = LLM(str(model_dir), async_scheduling=True, **opts)
+    ex = llm.engine.executor
+    q0 = ex.queued_heads
+    got = llm.generate(prompts, params)
+    _same(got, want, "logprobs then penalties")
+    for g, w in zip(got[:2], want[:2], strict=True):
+        assert [next(iter(d)) for d in g.outputs[0].logprobs] == \
+            [next(iter(d)) for d in w.outputs[0].logprobs]
+    assert ex.queued_heads > q0, "no forward was queued"
+    assert ex._queued is None and ex._awaiting is None
+    report({"test": "deferred_behind_whole_deferred", "queued_heads": ex.queued_heads - q0})
