@@ -124,3 +124,43 @@ def test_model_name_label_is_the_served_name(chat_dir: Path) -> None:
     with running_server(make_engine(chat_dir), served_model_name="my-model") as s:
         status, text = http("GET", f"{s.url}/metrics")
     assert status == 200 and 'model_name="my-model"' in text and "_created" not in text
+
+
+def test_light_histogram_renders_as_prometheus_client_does() -> None:
+    """The ITL histogram kept as plain numbers renders the samples a prometheus-client
+    Histogram given the same values renders: every bucket (values on a bound included), the
+    count and the sum."""
+    import numpy as np
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from engine.server.metrics import ITL_BUCKETS, LightHistogram
+
+    rng = np.random.default_rng()
+    values = [*rng.exponential(0.02, 500).tolist(), *ITL_BUCKETS, 0.0, 99.0]
+    reg = CollectorRegistry()
+    ref = Histogram("cuteinfer:x", "doc", ["model_name"], buckets=ITL_BUCKETS,
+                    registry=reg).labels("m")
+    light = LightHistogram(ITL_BUCKETS)
+    for v in values:
+        ref.observe(v)
+        light.observe(v)
+
+    class One:
+        def collect(self):
+            yield light.family("cuteinfer:x", "doc", ["m"])
+
+    reg2 = CollectorRegistry()
+    reg2.register(One())
+
+    def samples(r):
+        out = {}
+        for fam in text_string_to_metric_families(generate_latest(r).decode()):
+            for s in fam.samples:
+                if not s.name.endswith("_created"):
+                    out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    want, got = samples(reg), samples(reg2)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-12), k
