@@ -9,11 +9,12 @@ served run is held against (same requests, same concurrency, same call).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import numpy as np
+
+from tools.report import emit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,10 +52,7 @@ def main(argv: list[str] | None = None) -> int:
            "max_num_seqs": a.max_num_seqs, "duration_s": round(dt, 3),
            "output_tokens": n, "output_tok_s": round(n / dt, 1),
            "batch1_tpot_ms": round(tpot1, 4)}
-    print(json.dumps(res))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.out, indent=None)
     return 0
 
 

@@ -14,9 +14,10 @@ buffer is checked against numpy once (the kernel is exact). Prints one JSON obje
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
+
+from tools.report import emit
 
 SHAPES = "512x4x2,512x8x2,1024x4x1,256x4x4,512x2x4,512x4x4,256x2x8,256x1x8,512x1x4,128x4x16"
 
@@ -69,10 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     best = max(res["read"], key=lambda r: r["tb_s"])
     res["best_read_tb_s"] = best["tb_s"]
     res["read_over_copy_convention"] = round(best["tb_s"] / res["copy"]["copied_tb_s"], 3)
-    print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from tools.report import emit
+
 SNIPPET = """def {name}(items, limit):
     \"\"\"Return the running totals of items, stopping once a total passes limit.\"\"\"
     totals = []
@@ -155,10 +157,7 @@ def main() -> None:
             [np.mean([u == v for u, v in zip(x, y, strict=False)]) for x, y in
              zip(p, s, strict=True)]))
     res["batch1_speedup"] = res["spec"]["batch1_tok_s"] / res["plain"]["batch1_tok_s"]
-    print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ processor, no host mask).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
+
+from tools.report import emit
 
 SCHEMAS = {
     # one long free-text string (the default; the v17/v18 numbers). Dev box, 2 rows, numpy,
@@ -161,10 +162,7 @@ def main() -> None:
     base = (res["plain"]["ms_per_token"] + res["plain_again"]["ms_per_token"]) / 2
     res["structured_over_plain"] = res["structured"]["ms_per_token"] / base
     res["penalties_over_plain"] = res["penalties"]["ms_per_token"] / base
-    print(json.dumps(res, indent=1))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.out)
 
 
 if __name__ == "__main__":

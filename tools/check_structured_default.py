@@ -14,6 +14,8 @@ import json
 import re
 import time
 
+from tools.report import emit
+
 
 def main() -> None:
     import openai
@@ -58,10 +60,7 @@ def main() -> None:
             ok["regex"] += (bool(re.fullmatch(phone, q.choices[0].text))
                             and q.choices[0].finish_reason == "stop")
     res.update(ok=ok, of=20, failures=bad[:3], wall_s=round(time.time() - t0, 1))
-    print(json.dumps(res))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1)
+    emit(res, a.out, indent=None)
 
 
 if __name__ == "__main__":
