@@ -50,7 +50,7 @@ import cutlass_kernels._common as common  # sets CUTE_DSL_ARCH before cutlass lo
 import cutlass
 
 from cutlass_kernels._common import Kernel, Ptr, Scalar, Signature
-from cutlass_kernels.gemm_skinny import SLAB, GemmSkinnySm90
+from cutlass_kernels.gemm_skinny import EPILOGUES, SLAB, GemmSkinnySm90
 from cutlass_kernels.gemm_sm90 import BK, GemmSm90
 from cutlass_kernels.gemm_wide import SLABS, TILES, GemmWideSm90, max_tile
 
@@ -131,6 +131,13 @@ class GemmConfig:
     pdl: bool = False
     wide: tuple[tuple[int, int, int], ...] = ()  # (tile_t, slab, split_k), ascending tile_t
     wide_range: tuple[int, int] = WIDE_RANGE  # M served by the wide path (when it has tiles)
+    epilogue: str = "store"  # the skinny kernels' fused epilogue (gemm_skinny.EPILOGUES)
+    norm_size: int = 0  # > 0: the skinny kernels fuse an RMSNorm of A's rows (its divisor)
+    eps: float = 0.0  # that norm's epsilon
+
+    @property
+    def fused(self) -> bool:
+        return self.epilogue != "store" or self.norm_size > 0
 
 
 def signatures(out_dtype: str) -> tuple[Signature, Signature]:
@@ -153,6 +160,11 @@ class GemmLauncher:
         self._skinny = skinny  # [(tile_t, kernel)] ascending
         self._tiled = tiled
         self._wide = wide or []  # [(tile_t, kernel)] ascending
+
+    def fuses(self, m: int) -> bool:
+        """Whether a call of M rows runs the fused skinny kernel (a fused launcher); otherwise
+        the caller runs the unfused sequence through ``unfused``."""
+        return self.cfg.fused and self._pick(m)[0] == "skinny"
 
     def tile_for(self, m: int) -> int:
         """The token tile (skinny or wide) serving M rows, 0 for the tiled path."""
@@ -190,14 +202,30 @@ class GemmLauncher:
         would run, over ``m`` rows (default: ``m``'s own). Each row of C is then the same bits
         as in that call: the K order and the split-K reduction of a row depend only on the
         kernel, not on M or on the row's token tile. Speculative verify rows use it to compute
-        exactly what plain decoding of the step's sequences computes (engine/speculative.py)."""
+        exactly what plain decoding of the step's sequences computes (engine/speculative.py).
+
+        A fused launcher (``compile_gemm(epilogue=, norm_size=)``) runs only its fused skinny
+        kernels here (``fuses``); the other paths through ``unfused``."""
+        self._launch(a, w, c, m, stream, tile_as, fused=True)
+
+    def unfused(self, a: Any, w: Any, c: Any, m: int, stream: Any,
+                tile_as: int | None = None) -> None:
+        """The plain GEMM of a fused launcher's non-skinny paths (where ``fuses`` is False)."""
+        self._launch(a, w, c, m, stream, tile_as, fused=False)
+
+    def _launch(self, a: Any, w: Any, c: Any, m: int, stream: Any, tile_as: int | None,
+                fused: bool) -> None:
         if not isinstance(m, int) or isinstance(m, bool) or m < 0:
             raise common.KernelArgError(f"m must be a non-negative Python int, got {m!r}")
         if tile_as is not None and (not isinstance(tile_as, int) or tile_as < 1):
             raise common.KernelArgError(f"tile_as must be a positive int, got {tile_as!r}")
         if m == 0:
             return
-        _, tile_t, fn = self._pick(m if tile_as is None else tile_as)
+        kind, tile_t, fn = self._pick(m if tile_as is None else tile_as)
+        if self.cfg.fused and fused != (kind == "skinny"):
+            raise common.KernelArgError(
+                f"m={m}: this fused GEMM runs its {kind} path "
+                f"{'through unfused()' if kind != 'skinny' else 'fused: call it directly'}")
         # The swap-AB kernels index C with Int32; TMA (tiled path) takes 32-bit coordinates.
         if m * self.cfg.k >= 2**31 or (tile_t and m * self.cfg.n >= 2**31):
             raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")
@@ -237,6 +265,22 @@ def _check(n: int, k: int, out_dtype: str, crossover: int, skinny_tiles: tuple[i
         raise GemmShapeError(f"tile_n={tile_n}: must be 128 or 256")
 
 
+def _check_fused(n: int, k: int, out_dtype: str, epilogue: str, norm_size: int,
+                 skinny: tuple[tuple[int, int], ...]) -> None:
+    if epilogue not in EPILOGUES:
+        raise GemmShapeError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    if epilogue == "store" and not norm_size:
+        return
+    if out_dtype != "bf16":
+        raise GemmShapeError(f"a fused GEMM writes bf16, got out_dtype={out_dtype!r}")
+    if epilogue == "silu" and n % SLAB:
+        raise GemmShapeError(f"N={n}: the silu epilogue needs whole {SLAB}-row slabs")
+    if not 0 <= norm_size <= k:
+        raise GemmShapeError(f"norm_size={norm_size}: must be in [0, K={k}]")
+    if norm_size and any(t > 128 for t, _ in skinny):
+        raise GemmShapeError("the fused norm needs skinny tiles <= 128")
+
+
 def _check_wide(k: int, tiles: tuple[int, ...], wide_range: tuple[int, int], slab: int | None,
                 split_k: int | None) -> None:
     lo, hi = wide_range
@@ -258,7 +302,8 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
                  tile_n: int | None = None, num_sms: int = H200_SMS,
                  pdl: bool = False, wide_tiles: tuple[int, ...] = (),
                  wide_range: tuple[int, int] = WIDE_RANGE, wide_slab: int | None = None,
-                 wide_split_k: int | None = None) -> GemmLauncher:
+                 wide_split_k: int | None = None, epilogue: str = "store",
+                 norm_size: int = 0, eps: float = 0.0) -> GemmLauncher:
     """Compile (once per key) the kernels for ``C[M, n] = A[M, k] @ W[n, k]^T``.
 
     crossover: largest M served by the skinny (decode) path; 0 disables it.
@@ -272,6 +317,12 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
         M in ``wide_range`` (lo, hi) ahead of the other paths. wide_slab: force its W rows
         per CTA (128 or 256; default ``choose_wide_slab``); wide_split_k: force its split-K
         factor (1..8; default ``choose_wide_split``). ``wide_options``: the engine's choice.
+    epilogue / norm_size / eps: fused skinny kernels (gemm_skinny.py, bf16 C): ``"residual"``
+        adds the product into C (``C = bf16(C + bf16(A @ W^T))``), ``"silu"`` writes
+        ``silu(gate) * up`` of W's 32-row gate / up blocks into C ``[M, N/2]``; ``norm_size``
+        > 0 scales row t of the product by ``rsqrt(sum(A[t]^2) / norm_size + eps)`` (an
+        RMSNorm of A whose weight the caller folded into W). The skinny path then runs only
+        fused (``launcher(...)``), the other paths plain (``launcher.unfused(...)``).
     """
     tile_n = choose_tile_n(n) if tile_n is None else tile_n
     tiles = tuple(sorted(set(skinny_tiles)))
@@ -290,15 +341,17 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
     for t in wtiles:
         slab = wide_slab or choose_wide_slab(t)
         wide.append((t, slab, wide_split_k or choose_wide_split(n, k, slab, num_sms)))
+    _check_fused(n, k, out_dtype, epilogue, norm_size, skinny)
     cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n, bool(pdl), tuple(wide),
-                     wide_range if wide else WIDE_RANGE)
+                     wide_range if wide else WIDE_RANGE, epilogue, int(norm_size), float(eps))
     return common.cached_compile(("gemm", cfg), lambda: _build(cfg))
 
 
 def _build(cfg: GemmConfig) -> GemmLauncher:
     c_dtype = OUT_DTYPES[cfg.out_dtype]
     skinny_sig, tiled_sig = signatures(cfg.out_dtype)
-    skinny = [(t, skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl)))
+    skinny = [(t, skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl,
+                                                    cfg.epilogue, cfg.norm_size, cfg.eps)))
               for t, s in cfg.skinny]
     wide = [(t, skinny_sig.compile(GemmWideSm90(cfg.n, cfg.k, c_dtype, slab, t, s, cfg.pdl)))
             for t, slab, s in cfg.wide]

@@ -51,26 +51,29 @@ from cutlass_kernels.gemm_sm90 import (
     BK,
     MBAR_RESERVE,
     SMEM_CAPACITY,
+    cluster_sum,
     cluster_sum_store,
     swap_ab_operands,
     tma_wgmma_mainloop,
 )
 
 SLAB = 64  # W rows per CTA = wgmma M of one warpgroup
+HALF = SLAB // 2  # the ``silu`` epilogue: a slab's first 32 W rows are gate rows, its last 32 up
+EPILOGUES = ("store", "residual", "silu")
 SMEM_TWO_PER_SM = 113 * 1024  # per-CTA budget that lets two CTAs share an SM (228 KiB per SM)
 P_STRIDE = SLAB + 4  # fp32 partial tile [tile_t][SLAB + 4]: pad keeps accumulator stores
 # conflict-free (lanes differ by 2 tokens -> 136 words -> bank +8) and rows 16-byte aligned
 MAX_STAGES = 12
 
 
-def skinny_plan(tile_t: int) -> tuple[int, int, int]:
+def skinny_plan(tile_t: int, norm: bool = False) -> tuple[int, int, int]:
     """(pipeline stages, resident CTAs per SM, smem budget per CTA) for a token tile.
 
     Two CTAs per SM when that still leaves >= 4 stages (8 KiB of W each), else one CTA with
-    the whole 227 KiB.
+    the whole 227 KiB. ``norm``: the fused RMSNorm's row sums of squares take smem too.
     """
     stage_bytes = (SLAB + tile_t) * BK * 2
-    fixed = MBAR_RESERVE + tile_t * P_STRIDE * 4
+    fixed = MBAR_RESERVE + tile_t * P_STRIDE * 4 + (tile_t * 4 + 16 if norm else 0)
     for ctas, budget in ((2, SMEM_TWO_PER_SM), (1, SMEM_CAPACITY)):
         stages = min(MAX_STAGES, (budget - fixed) // stage_bytes)
         if stages >= 4 or ctas == 1:
@@ -82,9 +85,19 @@ class GemmSkinnySm90:
     """Decode GEMM. Compile-time: N, K, output dtype, token tile, split-K factor."""
 
     def __init__(self, n: int, k: int, c_dtype: type[cutlass.Numeric], tile_t: int = 16,
-                 split_k: int = 1, pdl: bool = False):
+                 split_k: int = 1, pdl: bool = False, epilogue: str = "store",
+                 norm_size: int = 0, eps: float = 0.0):
         if tile_t % 8 or not 8 <= tile_t <= 256:
             raise ValueError(f"tile_t must be a multiple of 8 in [8, 256], got {tile_t}")
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+        if (epilogue != "store" or norm_size) and c_dtype is not cutlass.BFloat16:
+            raise ValueError(f"the {epilogue} epilogue and the fused norm write bf16 C only")
+        if epilogue == "silu" and n % SLAB:
+            raise ValueError(f"the silu epilogue needs N % {SLAB} == 0 (whole slabs), got {n}")
+        if norm_size and (tile_t > 128 or not 0 < norm_size <= k):
+            raise ValueError(f"the fused norm needs tile_t <= 128 and 0 < norm_size <= K={k}, "
+                             f"got tile_t={tile_t}, norm_size={norm_size}")
         k_tiles = (k + BK - 1) // BK
         if split_k not in (1, 2, 4, 8) or split_k > k_tiles:
             raise ValueError(f"split_k must be 1, 2, 4 or 8 and <= K/64 = {k_tiles}, got {split_k}")
@@ -98,12 +111,21 @@ class GemmSkinnySm90:
         self.tile_mnk = (SLAB, tile_t, BK)  # wgmma (M, N, K) = (W rows, tokens, K)
         self.k_tiles = k_tiles
         self.k_per_split = (k_tiles + split_k - 1) // split_k
-        self.stages, self.ctas_per_sm, self.smem_budget = skinny_plan(tile_t)
+        self.stages, self.ctas_per_sm, self.smem_budget = skinny_plan(tile_t, bool(norm_size))
         assert self.stages >= 2, (tile_t, self.stages)
         self.threads = 128
         # The reduction: the partial tile is SLAB/4 * tile_t float4 vectors, split_k-way.
-        self.vecs_per_cta = (SLAB // 4) * tile_t // split_k
-        assert (SLAB // 4) * tile_t % split_k == 0
+        self.epilogue = epilogue
+        self.norm_size, self.eps = int(norm_size), float(eps)
+        # A silu CTA writes HALF columns of its act tile from pairs of gate / up vectors
+        self.vec_cols = (HALF if epilogue == "silu" else SLAB) // 4
+        self.vecs_per_cta = self.vec_cols * tile_t // split_k
+        assert self.vec_cols * tile_t % split_k == 0
+        # fused norm: each row of the token tile is squared by ``sq_tpr`` threads, ``sq_elems``
+        # elements each per stage
+        self.sq_tpr = 128 // tile_t if norm_size else 0
+        self.sq_elems = BK // self.sq_tpr if norm_size else 0
+        self.sq_vecs = max(self.sq_elems // 8, 1)  # 16-byte chunks per thread per stage
 
     @cute.jit
     def __call__(self, a: cute.Pointer, w: cute.Pointer, c: cute.Pointer, m: cutlass.Int32,
@@ -113,6 +135,10 @@ class GemmSkinnySm90:
          tma_mX) = swap_ab_operands(a, w, c, n, k, m, m_load, self.ab_dtype, self.acc_dtype,
                                     self.tile_mnk, self.stages, (1, 1, 1), (SLAB, self.tile_t),
                                     SLAB, self.tile_t)
+        if cutlass.const_expr(self.epilogue == "silu"):  # C is act [M, N/2]
+            mC4 = cute.make_tensor(c, cute.make_layout((4, n // 8, m), stride=(1, 4, n // 2)))
+        # the fused norm's row sums of squares follow the partial tile (plain kernels: none)
+        sq_len = self.tile_t if self.norm_size else 0
 
         @cute.struct
         class SharedStorage:
@@ -122,7 +148,7 @@ class GemmSkinnySm90:
             sX: cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(sX_layout)], 1024]
             sP: cute.struct.Align[
-                cute.struct.MemRange[self.acc_dtype, self.tile_t * P_STRIDE], 16]
+                cute.struct.MemRange[self.acc_dtype, self.tile_t * P_STRIDE + sq_len], 16]
 
         self.shared_storage = SharedStorage
         assert SharedStorage.size_in_bytes() <= self.smem_budget, SharedStorage.size_in_bytes()
@@ -173,10 +199,33 @@ class GemmSkinnySm90:
 
         k_begin = split * self.k_per_split
         k_count = cutlass.max(cutlass.min(self.k_per_split, self.k_tiles - k_begin), 0)
+        sq_src, sq_acc = None, None
+        sQ = cute.make_tensor(storage.sP.data_ptr() + self.tile_t * P_STRIDE,
+                              cute.make_layout(max(self.tile_t if self.norm_size else 0, 1)))
+        if cutlass.const_expr(self.norm_size):
+            # Token row tidx // sq_tpr: the 128-byte swizzle only permutes 16-byte chunks
+            # inside a row, so the row's 64 elements of a stage are its 128 bytes. Thread part
+            # p of the row takes chunks p + tpr * ((j + row) % V), j < V (V chunks of 8): the
+            # rotation by row puts 8 adjacent threads on 8 distinct chunks (bank groups)
+            row, part = tidx // self.sq_tpr, tidx % self.sq_tpr
+            v, e = self.sq_vecs, min(self.sq_elems, 8)
+            sq_src = cute.make_tensor(
+                storage.sX.data_ptr() + (row * BK + part * e),
+                cute.make_layout((e, v, self.stages), stride=(1, self.sq_tpr * e,
+                                                              self.tile_t * BK)))
+            sq_acc = cute.make_rmem_tensor((e,), self.acc_dtype)
+            sq_acc.fill(0.0)
         tma_wgmma_mainloop(ab_pipeline, tma_w, tWgW, tWsW, tma_x, tXgX, tXsX, tiled_mma, tCrW,
-                           tCrX, acc, k_begin, k_count, self.stages, warp_idx == 0, self.pdl)
+                           tCrX, acc, k_begin, k_count, self.stages, warp_idx == 0, self.pdl,
+                           sq_src, sq_acc, self._sq_pass if self.norm_size else None)
 
         tCsP.store(acc.load())
+        if cutlass.const_expr(self.norm_size):
+            ss = sq_acc.load().reduce(cute.ReductionOp.ADD, cutlass.Float32(0.0), 0)
+            for sh in cutlass.range_constexpr(self.sq_tpr.bit_length() - 2, -1, -1):
+                ss = ss + cute.arch.shuffle_sync_bfly(ss, offset=1 << sh)
+            if part == 0:
+                sQ[row] = ss
         if cutlass.const_expr(self.split_k > 1):
             cute.arch.cluster_arrive()  # release: this CTA's partial is visible to the cluster
             cute.arch.cluster_wait()  # acquire: every peer's partial is complete
@@ -184,21 +233,66 @@ class GemmSkinnySm90:
             cute.arch.sync_threads()
 
         # This CTA reduces float4 vectors [split * V, (split + 1) * V) of the tile, V =
-        # vecs_per_cta; vector v covers token v // 16, rows 4 * (v % 16) .. + 3.
+        # vecs_per_cta; vector v covers token v // vec_cols, rows 4 * (v % vec_cols) .. + 3
+        # (silu: those gate rows and the up rows HALF further).
         sP4 = cute.make_tensor(sP.iterator, cute.make_layout((4, SLAB // 4, self.tile_t),
                                                              stride=(1, 4, P_STRIDE)))
+        sQ1 = cute.make_tensor(sQ.iterator, cute.make_layout((1, cute.size(sQ)), stride=(0, 1)))
         n_vec = self.n // 4
         for it in cutlass.range_constexpr((self.vecs_per_cta + 127) // 128):
             j = it * 128 + tidx
             v = split * self.vecs_per_cta + j
-            t_local = v // (SLAB // 4)
-            r4 = v % (SLAB // 4)
+            t_local = v // self.vec_cols
+            r4 = v % self.vec_cols
             t = pid_t * self.tile_t + t_local
-            col4 = pid_n * (SLAB // 4) + r4
-            if j < self.vecs_per_cta and t < m and col4 < n_vec:
-                cluster_sum_store(sP4[None, r4, t_local], mC4[None, col4, t], self.split_k,
-                                  self.acc_dtype, self.c_dtype)
+            if cutlass.const_expr(self.epilogue == "store" and not self.norm_size):
+                col4 = pid_n * (SLAB // 4) + r4
+                if j < self.vecs_per_cta and t < m and col4 < n_vec:
+                    cluster_sum_store(sP4[None, r4, t_local], mC4[None, col4, t], self.split_k,
+                                      self.acc_dtype, self.c_dtype)
+            else:
+                col4 = pid_n * self.vec_cols + r4
+                if j < self.vecs_per_cta and t < m and col4 < mC4.shape[1]:
+                    self._epilogue(sP4, sQ1, mC4, r4, t_local, col4, t)
 
         if cutlass.const_expr(self.split_k > 1):
             cute.arch.cluster_arrive()  # peers may still read this CTA's partial: stay alive
             cute.arch.cluster_wait()
+
+    @cute.jit
+    def _sq_pass(self, sq_src: cute.Tensor, sq_acc: cute.Tensor, stage: cutlass.Int32):
+        """``sq_acc += x * x`` over this thread's chunks of ``stage`` (the kernel's map)."""
+        row = cute.arch.thread_idx()[0] // self.sq_tpr
+        for j in cutlass.range_constexpr(self.sq_vecs):
+            x = sq_src[None, (row + j) % self.sq_vecs, stage].load().to(cutlass.Float32)
+            sq_acc.store(sq_acc.load() + x * x)
+
+    @cute.jit
+    def _epilogue(self, sP4: cute.Tensor, sQ1: cute.Tensor, mC4: cute.Tensor, r4: cutlass.Int32,
+                  t_local: cutlass.Int32, col4: cutlass.Int32, t: cutlass.Int32):
+        """One float4 of C (silu: of act) from the cluster's partials, through the fused
+        epilogue: ``y = acc * rstd`` (fused norm, rstd from the row's sum of squares over the
+        cluster), then store bf16(y); residual: C = bf16(C + bf16(y)); silu: act =
+        bf16(bf16(silu(bf16(y_gate))) * bf16(y_up)), silu_mul.py's rounding."""
+        f32, bf16 = self.acc_dtype, cutlass.BFloat16
+        y = cluster_sum(sP4[None, r4, t_local], self.split_k, f32).load()
+        scale = f32(1.0)
+        if cutlass.const_expr(self.norm_size):
+            ss = cluster_sum(sQ1[None, t_local], self.split_k, f32)[0]
+            scale = cute.math.rsqrt(ss / f32(self.norm_size) + f32(self.eps))
+            y = y * scale
+        out = cute.make_rmem_tensor((4,), bf16)
+        if cutlass.const_expr(self.epilogue == "silu"):
+            u = cluster_sum(sP4[None, r4 + HALF // 4, t_local], self.split_k, f32).load()
+            if cutlass.const_expr(self.norm_size):
+                u = u * scale
+            g = y.to(bf16).to(f32)
+            act = (g / (f32(1.0) + cute.math.exp(-g))).to(bf16).to(f32)
+            out.store((act * u.to(bf16).to(f32)).to(bf16))
+        elif cutlass.const_expr(self.epilogue == "residual"):
+            old = cute.make_rmem_tensor((4,), bf16)
+            cute.autovec_copy(mC4[None, col4, t], old)
+            out.store((old.load().to(f32) + y.to(bf16).to(f32)).to(bf16))
+        else:
+            out.store(y.to(bf16))
+        cute.autovec_copy(out, mC4[None, col4, t])

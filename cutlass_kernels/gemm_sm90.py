@@ -49,6 +49,9 @@ def tma_wgmma_mainloop(
     stages: cutlass.Constexpr,
     is_producer: cutlass.Boolean,
     a_before_grid_wait: cutlass.Constexpr = False,
+    sq_src: cute.Tensor = None,
+    sq_acc: cute.Tensor = None,
+    sq_pass: cutlass.Constexpr = None,
 ):
     """acc = sum over K tiles [k_begin, k_begin + k_count) of A_tile @ B_tile^T (k_count may be 0).
 
@@ -62,6 +65,11 @@ def tma_wgmma_mainloop(
     ``griddepcontrol.wait``, i.e. while the previous kernel in the stream may still run; B's tiles
     and everything after wait for it. Every thread executes the wait (their later global
     writes depend on it too).
+
+    ``sq_src`` / ``sq_acc`` (the skinny GEMM's fused RMSNorm): ``sq_pass(sq_src, sq_acc,
+    stage)`` (gemm_skinny.py) adds the squares of this thread's elements of B's tile in that
+    stage's shared memory into ``sq_acc``, while the stage's wgmma runs, after the refill of the
+    slot before it.
     """
     acc.fill(0.0)
     tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -115,6 +123,8 @@ def tma_wgmma_mainloop(
                 cute.copy(tma_atom_b, tBgB[(None, k_begin + prod.count)],
                           tBsB[(None, prod.index)], tma_bar_ptr=bar)
                 prod.advance()
+        if cutlass.const_expr(sq_src is not None):  # after the refill: it waits for nothing
+            sq_pass(sq_src, sq_acc, read.index)
         read.advance()
     warpgroup.wait_group(0)
 
@@ -149,22 +159,31 @@ def swap_ab_operands(a: cute.Pointer, w: cute.Pointer, c: cute.Pointer, n: int, 
 
 
 @cute.jit
-def cluster_sum_store(src: cute.Tensor, dst: cute.Tensor, split_k: cutlass.Constexpr,
-                      acc_dtype: cutlass.Constexpr, c_dtype: cutlass.Constexpr):
-    """Split-K reduction of one float4 of the partial tile (the swap-AB kernels,
-    gemm_skinny.py and gemm_wide.py): ``src`` (4 fp32 in this CTA's shared memory) summed over
-    the ``split_k`` CTAs of the cluster in rank order (DSMEM; the same place in each peer's
-    tile), converted to ``c_dtype`` and copied to ``dst`` (4 elements of C). The fixed order
-    makes the bits independent of which CTA finished first."""
-    total = cute.make_rmem_tensor((4,), acc_dtype)
+def cluster_sum(src: cute.Tensor, split_k: cutlass.Constexpr, acc_dtype: cutlass.Constexpr
+                ) -> cute.Tensor:
+    """Split-K reduction of one small vector of the partial tile (the swap-AB kernels,
+    gemm_skinny.py and gemm_wide.py): ``src`` (fp32 in this CTA's shared memory) summed over the
+    ``split_k`` CTAs of the cluster in rank order (DSMEM; the same place in each peer's tile),
+    returned in registers. The fixed order makes the bits independent of which CTA finished
+    first."""
+    total = cute.make_rmem_tensor(src.shape, acc_dtype)
     total.fill(0.0)
-    part = cute.make_rmem_tensor((4,), acc_dtype)
+    part = cute.make_rmem_tensor(src.shape, acc_dtype)
     for peer in cutlass.range_constexpr(split_k):
         peer_src = src
         if cutlass.const_expr(split_k > 1):
             peer_src = cute.make_tensor(cute.arch.map_dsmem_ptr(src.iterator, peer), src.layout)
         cute.autovec_copy(peer_src, part)
         total.store(total.load() + part.load())
+    return total
+
+
+@cute.jit
+def cluster_sum_store(src: cute.Tensor, dst: cute.Tensor, split_k: cutlass.Constexpr,
+                      acc_dtype: cutlass.Constexpr, c_dtype: cutlass.Constexpr):
+    """``cluster_sum`` of one float4 of the partial tile, converted to ``c_dtype`` and copied to
+    ``dst`` (4 elements of C)."""
+    total = cluster_sum(src, split_k, acc_dtype)
     out = cute.make_rmem_tensor((4,), c_dtype)
     out.store(total.load().to(c_dtype))
     cute.autovec_copy(out, dst)

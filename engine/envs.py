@@ -82,6 +82,16 @@ def pdl_enabled() -> bool:
     return value in ("1", "true", "on")
 
 
+def fused_layers() -> bool:
+    """``CUTEINFER_FUSED`` (default on): the decoder layer's skinny GEMMs fuse the RMSNorms, the
+    residual adds and SiLU-and-mul (six graph nodes a layer instead of nine); 0 runs those as
+    separate kernels over the same folded weights (to measure the fusion against)."""
+    value = os.environ.get("CUTEINFER_FUSED", "1").strip().lower()
+    if value not in ("0", "1", "true", "false", "on", "off", ""):
+        raise ValueError(f"CUTEINFER_FUSED must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "on", "")
+
+
 def gemm_wide_from() -> int:
     """``CUTEINFER_GEMM_WIDE``: the smallest M the wide GEMM path serves, 0 when off."""
     value = os.environ.get("CUTEINFER_GEMM_WIDE", "0").strip().lower()

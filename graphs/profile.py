@@ -25,6 +25,35 @@ if TYPE_CHECKING:
     from graphs.runner import GraphRunner
 
 
+class Hooked:
+    """A kernel launcher seen through ``hook(fn, *args, **kwargs)`` (the tools' timing and
+    counting wrappers): its calls and its ``unfused`` calls go through the hook, every other
+    attribute (``fuses``, ``path``, ...) is the launcher's own."""
+
+    def __init__(self, inner: Any, hook: Any) -> None:
+        self._inner, self._hook = inner, hook
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hook(self._inner, *args, **kwargs)
+
+    def unfused(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hook(self._inner.unfused, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def hook_kernels(kernels: Any, hook: Any, names: list[str] | None = None) -> Any:
+    """``kernels`` (cuda_model.Kernels) with the launchers in ``names`` (default: all) seen
+    through ``hook(name, fn, *args, **kwargs)``."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(kernels)] if names is None else names
+    return dataclasses.replace(kernels, **{
+        n: Hooked(getattr(kernels, n), lambda fn, *a, _n=n, **k: hook(_n, fn, *a, **k))
+        for n in names})
+
+
 def _short(name: str) -> str:
     """A readable kernel name: the CuTe class the mangled name carries, when it can be found."""
     for tag in ("GemmSkinny", "GemmSm90", "DecodeAttention", "Combine", "PrefillAttention",

@@ -107,12 +107,42 @@ def ref_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float,
     return _bf16(_bf16(xf * rstd) * np.asarray(w, np.float32)), new_res
 
 
-def ref_silu_mul(x: np.ndarray) -> np.ndarray:
-    """``bf16(bf16(g * sigmoid(g)) * u)`` with g, u the two halves of the last axis."""
+def ref_silu_mul(x: np.ndarray, block: int | None = None) -> np.ndarray:
+    """``bf16(bf16(g * sigmoid(g)) * u)`` with g, u the two halves of the last axis, or, with
+    ``block``, its alternating blocks of that many gate and up columns."""
     xf = np.asarray(x, np.float64)
     inter = xf.shape[-1] // 2
-    g, u = xf[..., :inter], xf[..., inter:]
+    if block is None:
+        g, u = xf[..., :inter], xf[..., inter:]
+    else:
+        xb = xf.reshape(*xf.shape[:-1], inter // block, 2, block)
+        g = xb[..., 0, :].reshape(*xf.shape[:-1], inter)
+        u = xb[..., 1, :].reshape(*xf.shape[:-1], inter)
     return _bf16(_bf16(g / (1.0 + np.exp(-g))) * u)
+
+
+def ref_scale_cols(w: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """``bf16(w * g)`` per column (float32 product), as bf16."""
+    import ml_dtypes
+
+    return (np.asarray(w, np.float32) * np.asarray(g, np.float32)).astype(ml_dtypes.bfloat16)
+
+
+def ref_fused_gemm(a: np.ndarray, w: np.ndarray, epilogue: str = "store", norm_size: int = 0,
+                   eps: float = 0.0, c_old: np.ndarray | None = None) -> np.ndarray:
+    """The fused skinny GEMM (gemm_skinny.py), float32 holding bf16 values: ``y = A @ W^T``,
+    times ``rsqrt(sum(A[t]^2) / norm_size + eps)`` per row when ``norm_size``; then store
+    ``bf16(y)``, ``bf16(c_old + bf16(y))`` (residual) or SiLU-and-mul of y's alternating blocks
+    of 32 gate and 32 up columns (silu: ``[M, N/2]``)."""
+    y = ref_gemm(a, w)
+    if norm_size:
+        ss = (np.asarray(a, np.float64) ** 2).sum(axis=-1, keepdims=True)
+        y = y * (1.0 / np.sqrt(ss / norm_size + eps)).astype(np.float32)
+    if epilogue == "silu":
+        return ref_silu_mul(_bf16(y), block=32)
+    if epilogue == "residual":
+        return _bf16(np.asarray(c_old, np.float32) + _bf16(y))
+    return _bf16(y)
 
 
 def ref_cos_sin(max_pos: int, head_dim: int, theta: float) -> np.ndarray:

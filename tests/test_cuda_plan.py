@@ -213,8 +213,10 @@ def _norm(x, w, eps, size):
 
 def _padded_forward(w, mc, ids):
     """The cuda forward's math in float32 over the padded device weights ``w``
-    (DeviceWeights): logits [T, padded vocab]. Checks that the padding columns of the residual
-    stream and of the MLP activation stay exactly zero."""
+    (DeviceWeights, norms folded into qkv and gate_up, gate_up in 32-row gate / up blocks):
+    logits [T, padded vocab]. The fused layer's form: the GEMM of the raw residual, times
+    each row's rstd. Checks that the padding columns of the residual stream and of the MLP
+    activation stay exactly zero."""
     import numpy as np
 
     from engine.executor.cuda_shapes import Padded
@@ -228,7 +230,8 @@ def _padded_forward(w, mc, ids):
     for lw in w.layers:
         lw = {k: b.host for k, b in lw.items()}
         assert not x[:, mc.hidden_size:].any(), "residual padding columns are not zero"
-        qkv = np.matmul(_norm(x, lw["in_norm"], eps, mc.hidden_size), lw["qkv"].T, dtype=f)
+        ones = np.ones(x.shape[1], f)
+        qkv = np.matmul(_norm(x, ones, eps, mc.hidden_size), lw["qkv"].T, dtype=f)
         t = len(ids)
         q = qkv[:, :mc.q_size].reshape(t, mc.num_attention_heads, hd)
         k = qkv[:, mc.q_size:mc.q_size + mc.kv_size].reshape(t, mc.num_key_value_heads, hd)
@@ -237,8 +240,9 @@ def _padded_forward(w, mc, ids):
             q, k = rms_norm(q, lw["q_norm"], eps), rms_norm(k, lw["k_norm"], eps)
         a = attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, pos, hd ** -0.5)
         x = x + np.matmul(a.reshape(t, -1), lw["o"].T, dtype=f)
-        gu = np.matmul(_norm(x, lw["post_norm"], eps, mc.hidden_size), lw["gate_up"].T, dtype=f)
-        act = silu(gu[:, :p.intermediate]) * gu[:, p.intermediate:]
+        gu = np.matmul(_norm(x, ones, eps, mc.hidden_size), lw["gate_up"].T, dtype=f)
+        gu = gu.reshape(t, p.intermediate // 32, 2, 32)
+        act = (silu(gu[:, :, 0]) * gu[:, :, 1]).reshape(t, p.intermediate)
         assert not act[:, mc.intermediate_size:].any(), "MLP padding columns are not zero"
         x = (x + np.matmul(act, lw["down"].T, dtype=f)).astype(f)
     assert not x[:, mc.hidden_size:].any()
@@ -262,6 +266,13 @@ def test_padded_weights_compute_the_reference_forward(name):
     ckpt = Checkpoint(None, mc, make_weights(mc, 7))
     arena = _RecordingArena(10 * GIB)
     w = DeviceWeights(ckpt, arena, _FakeStream(), show=False, uploader=_serial())
+
+    def fold(buf, g, rows, _stream):  # the scale_cols kernel's math, on the host copies
+        assert rows == buf.host.shape[0]
+        buf.host = buf.host * g.host
+
+    w.fold_norms(fold, _FakeStream())
+    w.fold_norms(None, _FakeStream())  # once only
     p = Padded.of(mc)
     assert not p.is_identity(mc)
     shapes = device_weight_shapes(mc)

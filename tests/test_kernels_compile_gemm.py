@@ -54,6 +54,76 @@ def test_compiles_every_linear_layer(model: str) -> None:
         assert G.compile_gemm(n, k, out) is launcher  # cached on the key
 
 
+@pytest.mark.parametrize("model", list(MODELS))
+def test_compiles_the_fused_decoder_gemms(model: str) -> None:
+    """The engine's fused launchers (cuda_model._jobs): qkv and gate_up with the norm, gate_up
+    with SiLU, o and down adding into the residual; the skinny path fused, the rest plain."""
+    h, q, kv, inter, _ = MODELS[model]
+    for n, k, kw in [(q + 2 * kv, h, {"norm_size": h}), (h, q, {"epilogue": "residual"}),
+                     (2 * inter, h, {"norm_size": h, "epilogue": "silu"}),
+                     (h, inter, {"epilogue": "residual"})]:
+        launcher = G.compile_gemm(n, k, eps=1e-6, **kw)
+        assert launcher.cfg.fused and len(launcher.compiled()) == 4
+        assert all(launcher.fuses(m) for m in (1, 16, 17, 64, 128))
+        assert not launcher.fuses(129) and launcher.path(129) == "tiled"
+        assert G.compile_gemm(n, k, eps=1e-6, **kw) is launcher
+        assert G.compile_gemm(n, k) is not launcher
+    assert not G.compile_gemm(h, q).fuses(1)  # a plain launcher fuses nothing
+
+
+def test_fused_gemm_rejects_what_it_cannot_fuse() -> None:
+    from cutlass_kernels.gemm_skinny import GemmSkinnySm90
+
+    with pytest.raises(G.GemmShapeError, match="epilogue"):
+        G.compile_gemm(1024, 1024, epilogue="gelu")
+    with pytest.raises(G.GemmShapeError, match="bf16"):
+        G.compile_gemm(1024, 1024, "f32", norm_size=1024)
+    with pytest.raises(G.GemmShapeError, match="slabs"):
+        G.compile_gemm(1000, 1024, epilogue="silu")
+    with pytest.raises(G.GemmShapeError, match="norm_size"):
+        G.compile_gemm(1024, 1024, norm_size=2048)
+    with pytest.raises(G.GemmShapeError, match="128"):
+        G.compile_gemm(1024, 1024, norm_size=1024, crossover=256, skinny_tiles=(256,))
+    with pytest.raises(ValueError, match="bf16"):
+        import cutlass
+
+        GemmSkinnySm90(1024, 1024, cutlass.Float32, epilogue="residual")
+
+
+def test_fused_launcher_refuses_the_wrong_path() -> None:
+    launcher = G.compile_gemm(2048, 1024, norm_size=1024, eps=1e-6)
+    with pytest.raises(KernelArgError, match="unfused"):
+        launcher(16, 16, 16, 129, None)  # the tiled path: through unfused()
+    with pytest.raises(KernelArgError, match="fused"):
+        launcher.unfused(16, 16, 16, 8, None)  # the skinny path is fused only
+
+
+@pytest.mark.parametrize("tile_t", [8, 16, 32, 64, 128])
+def test_fused_norm_thread_map_covers_each_row_once(tile_t: int) -> None:
+    """Each of the 128 threads squares ``sq_elems`` of one row per stage, in 16-byte chunks
+    rotated by row (``_sq_pass``); together every element of the tile's 64-column stage, once;
+    8 adjacent threads read 8 distinct chunks (no bank conflict); a row's threads are adjacent
+    lanes of one warp (their butterfly stays inside the group)."""
+    import cutlass
+
+    from cutlass_kernels.gemm_skinny import GemmSkinnySm90
+
+    op = GemmSkinnySm90(4096, 1024, cutlass.BFloat16, tile_t, 2, norm_size=1024, eps=1e-6)
+    e, v, tpr = min(op.sq_elems, 8), op.sq_vecs, op.sq_tpr
+
+    def chunk(t: int, j: int) -> int:  # the element offset of thread t's j-th chunk
+        row, part = t // tpr, t % tpr
+        return row * 64 + (part + tpr * ((row + j) % v)) * e
+
+    seen = sorted(chunk(t, j) + i for t in range(128) for j in range(v) for i in range(e))
+    assert seen == list(range(tile_t * 64))
+    if e == 8:
+        for j in range(v):
+            for g in range(0, 128, 8):
+                assert len({chunk(t, j) // 8 % 8 for t in range(g, g + 8)}) == 8
+    assert 32 % tpr == 0 and tpr & (tpr - 1) == 0
+
+
 @pytest.mark.parametrize("tile_t,split_k", [(8, 1), (32, 2), (128, 8), (256, 2)])
 def test_compiles_other_skinny_configs(tile_t: int, split_k: int) -> None:
     """Token tiles and split factors the lead may tune to (one CTA per SM at 128 and 256)."""
@@ -406,3 +476,11 @@ def test_wide_options_and_env(monkeypatch) -> None:
             envs.gemm_wide_from()
     monkeypatch.delenv("CUTEINFER_GEMM_WIDE")
     assert envs.gemm_wide_from() == 0
+
+
+def test_engine_gate_up_block_is_the_silu_epilogue_half_slab() -> None:
+    """DeviceWeights orders gate_up rows in the blocks the fused SiLU epilogue reads."""
+    from cutlass_kernels.gemm_skinny import HALF, SLAB
+    from engine.executor.cuda_model import GATE_UP_BLOCK
+
+    assert GATE_UP_BLOCK == HALF == SLAB // 2

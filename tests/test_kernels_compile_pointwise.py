@@ -48,6 +48,33 @@ def test_silu_mul_compiles(inter):
     from cutlass_kernels.silu_mul import compile_silu_mul
 
     assert compile_silu_mul(inter) is compile_silu_mul(inter)
+    blocked = compile_silu_mul(inter, 32)  # the engine's gate_up order (DeviceWeights)
+    assert blocked is compile_silu_mul(inter, 32) and blocked is not compile_silu_mul(inter)
+    assert compile_silu_mul(inter, inter) is compile_silu_mul(inter)  # the default block
+
+
+def test_silu_mul_rejects_a_bad_block():
+    from cutlass_kernels.silu_mul import SiluMul
+
+    for block in (0, 12, 48):  # not a multiple of 8; not dividing 64
+        with pytest.raises(ValueError, match="block"):
+            SiluMul(64, block)
+
+
+@pytest.mark.parametrize("cols", sorted({h for h in (1024, 4096, 576, 2560, 320, 8)}))
+def test_scale_cols_compiles_and_checks_rows(cols):
+    from cutlass_kernels._common import KernelArgError
+    from cutlass_kernels.scale_cols import ScaleCols, compile_scale_cols
+
+    launcher = compile_scale_cols(cols)
+    assert launcher is compile_scale_cols(cols) and launcher.cols == cols
+    op = ScaleCols(cols)
+    assert op.ctas_per_row * op.threads * 8 >= cols and op.threads % 32 == 0
+    launcher(16, 16, 0, None)  # no rows: nothing launched
+    with pytest.raises(KernelArgError, match="rows"):
+        launcher(16, 16, -1, None)
+    with pytest.raises(ValueError, match="cols"):
+        ScaleCols(12)
 
 
 @pytest.mark.parametrize("shape", ROPE)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from engine import envs
-from graphs.profile import make_batch, make_span_batch
+from graphs.profile import hook_kernels, make_batch, make_span_batch
 
 BW = 4.28e12
 
@@ -36,16 +36,14 @@ def host_launch_us(ex, step, reps: int = 5) -> dict:
     spent: dict[str, list[float]] = {}
     calls: dict[str, int] = {}
 
-    def wrap(name, fn):
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            fn(*args, **kwargs)
-            spent[name][-1] += time.perf_counter() - t
-            calls[name] = calls.get(name, 0) + 1
-        return timed
+    def timed(name, fn, *args, **kwargs):
+        t = time.perf_counter()
+        fn(*args, **kwargs)
+        spent[name][-1] += time.perf_counter() - t
+        calls[name] = calls.get(name, 0) + 1
 
     names = [f.name for f in dataclasses.fields(kernels)]
-    ex.kernels = dataclasses.replace(kernels, **{n: wrap(n, getattr(kernels, n)) for n in names})
+    ex.kernels = hook_kernels(kernels, timed)
     try:
         for _ in range(reps):
             ex.stream.synchronize()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from graphs.profile import make_batch
+from graphs.profile import hook_kernels, make_batch
 
 
 def _noop(*args, **kwargs) -> None:
@@ -69,23 +69,20 @@ def _profile_batch(ex, b: int, ctx: int, iters: int) -> dict:
     splits = ex.decode_splits(b)
     calls: Counter[str] = Counter()
 
-    def counting(name, fn):
-        def call(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return call
+    def counting(name, fn, *a, **k):
+        calls[name] += 1
+        return fn(*a, **k)
 
     ex.upload(batch)
     ex.upload_sampling(batch)
-    ex.kernels = dataclasses.replace(kernels, **{n: counting(n, getattr(kernels, n))
-                                                 for n in names})
+    ex.kernels = hook_kernels(kernels, counting)
     ex.decode_body(b, splits)  # one eager step: which kinds launch, how often
     ex.kernels = kernels
 
     def graph_ms(only: str | None) -> tuple[float, int]:
         """(replay ms, nodes) of the step with every kind (None), none (""), or one."""
         if only is not None:
-            ex.kernels = dataclasses.replace(kernels, **{n: _noop for n in names if n != only})
+            ex.kernels = hook_kernels(kernels, _noop, [n for n in names if n != only])
         try:
             runner = ex.graph_runner([b])
             g = runner.capture(b)

@@ -102,6 +102,7 @@ class CudaExecutor(Executor):
             self._allocate(ckpt, config, verbose)
             t1 = time.perf_counter()
             self.kernels = pending.result()
+            self.weights.fold_norms(self.kernels.fold, self.stream)
         except BaseException:
             pending.cancel()
             raise
@@ -290,6 +291,10 @@ class CudaExecutor(Executor):
     def forward(self, num_tokens: int, num_seqs: int, decode: bool, max_q_len: int,
                 num_splits: int, tile_as: int | None = None, decode_rows: int = 0) -> None:
         """All layers and the final norm over the static buffers (eager, or under capture).
+        A step whose GEMMs all run their skinny kernels (M <= 128: decode buckets, verify
+        rows, small prefills and mixed steps) runs the fused layer, six kernels (qkv with the
+        input norm, rope, attention, o adding into the residual, gate_up with the post norm and
+        SiLU, down adding into the residual); a bigger one the unfused layer of nine.
         ``tile_as``: the GEMMs run the kernels of a ``tile_as``-row call (verify rows,
         ``verify_body``). ``decode_rows`` (a mixed step, not ``decode``; ``stage_mixed`` first):
         its first sequences are that many one-token rows, whose attention runs in the decode
@@ -303,12 +308,21 @@ class CudaExecutor(Executor):
         cu, ctx, table = ((buf.pre_cu_seqlens, buf.pre_context_lens, buf.pre_page_indices) if d
                           else (buf.cu_seqlens, buf.context_lens, buf.page_indices))
         k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
+        # Fused (every decoder GEMM runs its fused skinny kernel for this M): qkv and gate_up
+        # normalize their input rows of resid themselves (the norm weights are folded into
+        # theirs), gate_up writes silu(gate) * up, o and down add into resid: six nodes a layer.
+        # Unfused (prefill and big mixed steps): the separate kernels, norms with a unit weight.
+        m = t if tile_as is None else tile_as
+        fused = all(g.fuses(m) for g in (k.qkv, k.o, k.gate_up, k.down))
         for li, lw in enumerate(w.layers):
-            if li == 0:
-                k.norm(buf.resid, None, lw["in_norm"], buf.h, t, eps, st)
+            if fused:
+                k.qkv(buf.resid, lw["qkv"], buf.qkv, t, st, tile_as)
             else:
-                k.add_norm(buf.delta, buf.resid, lw["in_norm"], buf.h, t, eps, st)
-            k.qkv(buf.h, lw["qkv"], buf.qkv, t, st, tile_as)
+                if li == 0:
+                    k.norm(buf.resid, None, buf.ones, buf.h, t, eps, st)
+                else:
+                    k.add_norm(buf.delta, buf.resid, buf.ones, buf.h, t, eps, st)
+                k.qkv.unfused(buf.h, lw["qkv"], buf.qkv, t, st, tile_as)
             k.rope(buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"), lw.get("k_norm"),
                    buf.cos_sin, buf.q, self.k_cache[li], self.v_cache[li], t, self.sizes.max_pos,
                    eps, st)
@@ -323,12 +337,20 @@ class CudaExecutor(Executor):
                              self.scale, st)
                 k.prefill(buf.q, self.k_cache[li], self.v_cache[li], cu, ctx, table, buf.attn,
                           t, num_seqs - d, pps, max_q_len, self.scale, st)
-            k.o(buf.attn, lw["o"], buf.delta, t, st, tile_as)
-            k.add_norm(buf.delta, buf.resid, lw["post_norm"], buf.h, t, eps, st)
-            k.gate_up(buf.h, lw["gate_up"], buf.gate_up, t, st, tile_as)
-            k.silu(buf.gate_up, buf.act, t, st)
-            k.down(buf.act, lw["down"], buf.delta, t, st, tile_as)
-        k.add_norm(buf.delta, buf.resid, w.norm, buf.h, t, eps, st)
+            if fused:
+                k.o(buf.attn, lw["o"], buf.resid, t, st, tile_as)
+                k.gate_up(buf.resid, lw["gate_up"], buf.act, t, st, tile_as)
+                k.down(buf.act, lw["down"], buf.resid, t, st, tile_as)
+            else:
+                k.o.unfused(buf.attn, lw["o"], buf.delta, t, st, tile_as)
+                k.add_norm(buf.delta, buf.resid, buf.ones, buf.h, t, eps, st)
+                k.gate_up.unfused(buf.h, lw["gate_up"], buf.gate_up, t, st, tile_as)
+                k.silu(buf.gate_up, buf.act, t, st)
+                k.down.unfused(buf.act, lw["down"], buf.delta, t, st, tile_as)
+        if fused:
+            k.norm(buf.resid, None, w.norm, buf.h, t, eps, st)
+        else:
+            k.add_norm(buf.delta, buf.resid, w.norm, buf.h, t, eps, st)
 
     def logits(self, num_tokens: int, row_offset: int, n: int, tile_as: int | None = None
                ) -> None:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from cutlass_kernels.rmsnorm import RMSNormLauncher
     from cutlass_kernels.rope_kv import RopeKVLauncher
     from cutlass_kernels.sampling import LogProbsLauncher, SamplerLauncher
+    from cutlass_kernels.scale_cols import ScaleColsLauncher
     from cutlass_kernels.silu_mul import SiluMulLauncher
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -169,15 +170,19 @@ class Kernels:
 
     embed: EmbeddingLauncher  # token ids -> rows of the embedding matrix
     gather_rows: EmbeddingLauncher  # logit_idx -> rows of the final hidden states
-    norm: RMSNormLauncher  # layer 0's input norm (no residual yet)
-    add_norm: RMSNormLauncher  # residual += delta, then norm
+    norm: RMSNormLauncher  # the final norm; layer 0's input norm on the unfused path
+    add_norm: RMSNormLauncher  # residual += delta, then norm (the unfused path)
     rope: RopeKVLauncher  # q/k norm + RoPE + KV-cache write
+    # The decoder layer's GEMMs (``fused_layers``: their skinny kernels fused; the forward's
+    # docstring): qkv and gate_up normalize their input rows (the norm weights folded into
+    # theirs at load: ``fold``), gate_up applies SiLU-and-mul, o and down add into the residual
     qkv: GemmLauncher
     o: GemmLauncher
     gate_up: GemmLauncher
     down: GemmLauncher
     lm_head: GemmLauncher  # fp32 logits
-    silu: SiluMulLauncher
+    silu: SiluMulLauncher  # the unfused path; gate and up in 32-column blocks (DeviceWeights)
+    fold: ScaleColsLauncher  # W[:, k] *= norm weight[k], once at load
     decode: DecodeAttentionLauncher
     prefill: PrefillAttentionLauncher
     sample: SamplerLauncher
@@ -241,20 +246,25 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
     from cutlass_kernels.rmsnorm import compile_rmsnorm
     from cutlass_kernels.rope_kv import compile_rope_kv
     from cutlass_kernels.sampling import compile_logprobs, compile_sampler
+    from cutlass_kernels.scale_cols import compile_scale_cols
     from cutlass_kernels.silu_mul import compile_silu_mul
 
     pad = Padded.of(mc)  # widths padded to the GEMM tiles; an aligned model's own widths
     h, nq, nkv, hd = pad.hidden, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
     v, inter = mc.vocab_size, pad.intermediate
     pdl = {"pdl": envs.pdl_enabled(), **wide_options(envs.gemm_wide_from())}  # GEMM options
+    on = envs.fused_layers()
+    norm = {"norm_size": mc.hidden_size if on else 0, "eps": mc.rms_norm_eps if on else 0.0}
+    res = {"epilogue": "residual" if on else "store"}
     # the slowest first: workers take them in order
     return {
         "prefill": (compile_prefill_attention, (nq, nkv, hd, 16), {}),
         "lm_head": (compile_gemm, (pad.vocab, h, "f32"), pdl),  # fp32 logits
-        "qkv": (compile_gemm, (mc.qkv_size, h), pdl),
-        "o": (compile_gemm, (h, mc.q_size), pdl),
-        "gate_up": (compile_gemm, (2 * inter, h), pdl),
-        "down": (compile_gemm, (h, inter), pdl),
+        "qkv": (compile_gemm, (mc.qkv_size, h), {**pdl, **norm}),
+        "o": (compile_gemm, (h, mc.q_size), {**pdl, **res}),
+        "gate_up": (compile_gemm, (2 * inter, h),
+                    {**pdl, **norm, "epilogue": "silu" if on else "store"}),
+        "down": (compile_gemm, (h, inter), {**pdl, **res}),
         "decode": (compile_decode_attention, (nq, nkv, hd, 16), {}),
         "sample": (compile_sampler, (v, pad.vocab), {}),  # reads the first v of pad.vocab
         "logprobs": (compile_logprobs, (v,), {"row_stride": pad.vocab}),
@@ -266,13 +276,21 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
         "gather_rows": (compile_embedding, (h,), {}),
         "norm": (compile_rmsnorm, (h, False, mc.hidden_size), {}),  # mean over the real h
         "add_norm": (compile_rmsnorm, (h, True, mc.hidden_size), {}),
-        "silu": (compile_silu_mul, (inter,), {}),
+        "silu": (compile_silu_mul, (inter, GATE_UP_BLOCK), {}),
+        "fold": (compile_scale_cols, (h,), {}),
     }
 
 
+GATE_UP_BLOCK = 32  # = gemm_skinny.HALF (not imported here: it loads the DSL)
+
+
 class DeviceWeights:
-    """Weights in the arena, fused as the kernels expect (QKV rows; gate then up rows), padded
-    with zeros to the kernels' widths (``Padded``; shapes: ``device_weight_shapes``)."""
+    """Weights in the arena, fused as the kernels expect, padded with zeros to the kernels'
+    widths (``Padded``; shapes: ``device_weight_shapes``): QKV rows q, k, v; gate_up rows in
+    blocks of 32 (``GATE_UP_BLOCK``: gate rows 0-31, up rows 0-31, gate rows 32-63, ...), the
+    order of the skinny GEMM's fused SiLU epilogue. ``fold_norms`` (once the kernels are
+    compiled) folds each layer's input and post-attention norm weights into its qkv and gate_up
+    weights."""
 
     def __init__(self, ckpt: Checkpoint, arena: Arena, stream: Stream, show: bool,
                  uploader: Any = None) -> None:
@@ -310,10 +328,11 @@ class DeviceWeights:
 
         def gate_up(i: int) -> list[np.ndarray]:
             gate, upw = (ckpt.layer(i, f"mlp.{n}_proj.weight") for n in ("gate", "up"))
-            if p.intermediate == mc.intermediate_size:
-                return [gate, upw]
-            half = (p.intermediate, mc.hidden_size)  # each half padded: up starts at row I_pad
-            return [pad_to(gate, half), pad_to(upw, half)]
+            if p.intermediate != mc.intermediate_size:
+                half = (p.intermediate, mc.hidden_size)  # each padded to I_pad rows
+                gate, upw = pad_to(gate, half), pad_to(upw, half)
+            b = GATE_UP_BLOCK  # row views, no copy: the uploader reads each from its file range
+            return [w[r:r + b] for r in range(0, p.intermediate, b) for w in (gate, upw)]
 
         def qkv(i: int) -> list[np.ndarray]:
             return [ckpt.layer(i, f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
@@ -340,6 +359,19 @@ class DeviceWeights:
                 self.layers.append(lw)
             up.run()
         stream.synchronize()  # (the copies ran on the upload threads' own streams)
+        self.folded = False
+
+    def fold_norms(self, fold: Any, stream: Stream) -> None:
+        """``qkv[:, k] *= in_norm[k]``, ``gate_up[:, k] *= post_norm[k]`` (bf16 products), once:
+        the forward normalizes with a unit weight (the unfused path) or inside the GEMM."""
+        if self.folded:
+            return
+        mc, p = self.config, self.padded
+        for lw in self.layers:
+            fold(lw["qkv"], lw["in_norm"], mc.qkv_size, stream)
+            fold(lw["gate_up"], lw["post_norm"], 2 * p.intermediate, stream)
+        stream.synchronize()
+        self.folded = True
 
 
 class StepBuffers:
@@ -378,6 +410,9 @@ class StepBuffers:
         self.resid = a((t, h), BF16, "resid")
         self.delta = a((t, h), BF16, "delta")
         self.h = a((t, h), BF16, "h")
+        self.ones = a(h, BF16, "ones")  # the unfused path's norm weight (weights are folded)
+        ones = np.ones(h, dtype=BF16)
+        self.ones.upload(ones, stream)
         self.qkv = a((t, mc.qkv_size), BF16, "qkv")
         self.q = a((t, mc.q_size), BF16, "q")
         self.attn = a((t, mc.q_size), BF16, "attn")

@@ -14,7 +14,7 @@ import pytest
 
 from cutlass_kernels.gemm import compile_gemm, wide_options
 from engine.cuda.driver import Event, Graph, device_array, to_device
-from tests.kernel_refs import ref_gemm
+from tests.kernel_refs import ref_fused_gemm, ref_gemm
 from tests.tolerances import TOL
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -264,6 +264,96 @@ def test_tiled_path_small_m(weights, stream, m: int) -> None:
         launcher = compile_gemm(n, k, out, crossover=0, tile_n=256)
         assert launcher.path(m) == "tiled"
         _run_and_check(launcher, w, w_dev, n, k, m, out, stream)
+
+
+# ---- fused skinny GEMMs (the decoder layer's: engine/executor/cuda_model._jobs) -------------
+
+# (N, K, epilogue, norm_size): qwen3-0.6b qkv / o / gate_up / down, SmolLM2 gate_up (K = 576),
+# a padded width (norm over the real 300 of 320 columns, the rest zero), qwen3-8b gate_up
+FUSED = [(4096, 1024, "store", 1024), (1024, 2048, "residual", 0), (6144, 1024, "silu", 1024),
+         (1024, 3072, "residual", 0), (3072, 576, "silu", 576), (768, 320, "silu", 300),
+         (640, 320, "store", 300), (24576, 4096, "silu", 4096)]
+FUSED_M = [1, 2, 7, 16, 17, 31, 33, 64, 65, 100, 128]
+
+
+@pytest.mark.parametrize("n,k,epilogue,norm_size", FUSED)
+@pytest.mark.parametrize("m", FUSED_M)
+def test_fused_skinny_gemm_matches_numpy(weights, stream, n: int, k: int, epilogue: str,
+                                         norm_size: int, m: int) -> None:
+    """Every skinny tile and its M tail: the norm scale (rows of A with large, varied norms:
+    a wrong row's sum of squares shows), the residual add into C, SiLU-and-mul of the 32-row
+    gate / up blocks; C past M (and past N/2 for silu) keeps its poison."""
+    eps = 1e-6
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, epilogue=epilogue, norm_size=norm_size, eps=eps)
+    assert launcher.fuses(m) and not launcher.fuses(129)
+    seed = int(np.random.default_rng().integers(2**31))
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((m, k), dtype=np.float32) * rng.uniform(0.05, 30, (m, 1))
+    if norm_size < k:
+        a[:, norm_size:] = 0  # padded columns are zero (cuda_shapes.Padded)
+    a = a.astype(BF16)
+    cols = n // 2 if epilogue == "silu" else n
+    c_old = _rand_bf16(rng, (m, cols))
+    c_dev = device_array((m + PAD_ROWS, cols), BF16)  # silu: act [M, N/2]
+    poison = np.frombuffer(b"\xff" * (PAD_ROWS * cols * 2), BF16).reshape(PAD_ROWS, cols)
+    c_dev.upload(np.concatenate([c_old, poison]), stream)  # C = c_old: read by residual only
+    launcher(to_device(a), w_dev, c_dev, m, stream)
+    stream.synchronize()
+    c = c_dev.download()
+    where = f"N={n} K={k} {epilogue} norm={norm_size} M={m} path={launcher.path(m)} seed={seed}"
+    assert np.isfinite(c[:m].astype(np.float32)).all(), f"unwritten/NaN outputs: {where}"
+    assert (c[m:].view(np.uint8) == 0xFF).all(), f"rows >= M were written: {where}"
+    ref = ref_fused_gemm(a, w, epilogue, norm_size, eps, c_old)
+    err = np.linalg.norm(c[:m].astype(np.float32) - ref) / np.linalg.norm(ref)
+    assert err < TOL["gemm"]["rtol_norm"], f"rel err {err:.2e}: {where}"
+    row_err = (np.linalg.norm(c[:m].astype(np.float32) - ref, axis=1)
+               / np.maximum(np.linalg.norm(ref, axis=1), 1e-30))
+    assert row_err.max() < 2 * TOL["gemm"]["rtol_norm"], f"row errs {row_err}: {where}"
+
+
+@pytest.mark.parametrize("m", [129, 300])
+def test_fused_launcher_runs_unfused_above_the_skinny_path(weights, stream, m: int) -> None:
+    """A fused launcher's tiled path is the plain GEMM (``unfused``); calling it fused past
+    the skinny path, or unfused on it, is a typed error."""
+    from cutlass_kernels._common import KernelArgError
+
+    n, k = 6144, 1024
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, epilogue="silu", norm_size=1024, eps=1e-6)
+    from graphs.profile import Hooked
+
+    plain = Hooked(launcher, lambda fn, *a, **kw: fn.unfused(*a, **kw))  # .path: the launcher's
+    _run_and_check(plain, w, w_dev, n, k, m, "bf16", stream)
+    a, c = device_array((m, k), BF16), device_array((m, n), BF16)
+    with pytest.raises(KernelArgError, match="unfused"):
+        launcher(a, w_dev, c, m, stream)
+    with pytest.raises(KernelArgError, match="fused"):
+        launcher.unfused(a, w_dev, c, 16, stream)
+
+
+def test_fused_bits_repeat_and_equal_the_graph(weights, stream) -> None:
+    """The fused norm's sums of squares and the epilogue are in a fixed order: two runs and a
+    graph replay give the same bits."""
+    n, k, m = 6144, 1024, 33
+    _, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, epilogue="silu", norm_size=1024, eps=1e-6)
+    a = to_device(_rand_bf16(np.random.default_rng(), (m, k)))
+    outs = []
+    for _ in range(2):
+        c = device_array((m, n // 2), BF16)
+        launcher(a, w_dev, c, m, stream)
+        stream.synchronize()
+        outs.append(c.download())
+    c = device_array((m, n // 2), BF16)
+    g = Graph.capture(stream, lambda: launcher(a, w_dev, c, m, stream))
+    try:
+        g.launch(stream)
+        stream.synchronize()
+        outs.append(c.download())
+    finally:
+        g.destroy()
+    assert outs[0].tobytes() == outs[1].tobytes() == outs[2].tobytes()
 
 
 def test_timing_report(cuda_ctx, stream, capsys) -> None:

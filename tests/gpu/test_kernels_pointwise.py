@@ -20,6 +20,7 @@ from tests.kernel_refs import (
     ref_gumbel_margin,
     ref_rmsnorm,
     ref_rope_kv,
+    ref_scale_cols,
     ref_silu_mul,
 )
 from tests.tolerances import TOL
@@ -129,16 +130,34 @@ def test_rmsnorm_matches_reference(cuda_ctx, stream, seed, fused, hidden, tokens
 
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("inter", [64, 1536, 3072, 9728, 12288])
-def test_silu_mul_matches_reference(cuda_ctx, stream, seed, inter, tokens):
+@pytest.mark.parametrize("block", [None, 32])
+def test_silu_mul_matches_reference(cuda_ctx, stream, seed, inter, tokens, block):
     from cutlass_kernels.silu_mul import compile_silu_mul
 
     rng = np.random.default_rng(seed)
     x = (2.0 * rng.standard_normal((tokens, 2 * inter))).astype(BF16)
     out = _poisoned((tokens, inter), BF16, stream)
-    compile_silu_mul(inter)(_dev(x), out, tokens, stream)
+    compile_silu_mul(inter, block)(_dev(x), out, tokens, stream)
     stream.synchronize()
-    _assert_bf16_close(out.download(), ref_silu_mul(x.astype(np.float32)), "silu_mul",
-                       f"silu_mul I={inter} T={tokens} seed={seed}")
+    _assert_bf16_close(out.download(), ref_silu_mul(x.astype(np.float32), block), "silu_mul",
+                       f"silu_mul I={inter} block={block} T={tokens} seed={seed}")
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 8), (6144, 1024), (3072, 576), (17, 4104),
+                                       (24576, 4096)])
+def test_scale_cols_is_exact(cuda_ctx, stream, seed, rows, cols):
+    """The load-time norm fold, bit for bit: bf16(w * g) per column; in place."""
+    from cutlass_kernels.scale_cols import compile_scale_cols
+
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols), dtype=np.float32).astype(BF16)
+    g = rng.uniform(-3, 3, cols).astype(np.float32).astype(BF16)
+    w_dev = _dev(w)
+    compile_scale_cols(cols)(w_dev, _dev(g), rows, stream)
+    stream.synchronize()
+    got = w_dev.download()
+    assert got.view(np.uint16).tobytes() == ref_scale_cols(w, g).view(np.uint16).tobytes(), (
+        f"scale_cols rows={rows} cols={cols} seed={seed}")
 
 
 # ---- q/k norm + RoPE + KV write ---------------------------------------------------------------
