@@ -18,7 +18,8 @@ every CTA alive until its peers have read it.
 Programmatic dependent launch (``pdl=True``): the kernel is launched with the PDL attribute, so
 it may start while the previous kernel of the stream still runs (once that kernel's CTAs have
 executed ``griddepcontrol.launch_dependents``, which the engine's RMSNorm, SiLU-mul, attention and
-row-gather kernels do first thing). Its CTAs then fill the pipeline with W (a weight: nothing in
+row-gather kernels do first thing, and so does this kernel when launched with PDL: the fused layer
+runs its GEMMs back to back). Its CTAs then fill the pipeline with W (a weight: nothing in
 the stream writes it) before ``griddepcontrol.wait``; the activation tiles, the reduction and every
 global write come after the wait, which returns once the previous grid has completed and its
 writes are visible. The math, and so the result, is the same bits as without PDL.
@@ -162,6 +163,10 @@ class GemmSkinnySm90:
     def kernel(self, tma_w: cute.CopyAtom, mW: cute.Tensor, tma_x: cute.CopyAtom, mX: cute.Tensor,
                mC4: cute.Tensor, tiled_mma: cute.TiledMma, sW_layout: cute.ComposedLayout,
                sX_layout: cute.ComposedLayout, m: cutlass.Int32):
+        if cutlass.const_expr(self.pdl):
+            # the next PDL kernel (the next layer GEMM) may launch now and prefetch its weight
+            # into the SMs' free shared memory; it waits for this grid before touching its A
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         split, pid_t, pid_n = cute.arch.block_idx()  # split == rank in the (split_k, 1, 1) cluster
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())

