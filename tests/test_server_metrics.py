@@ -93,7 +93,9 @@ def test_scrape_has_vllm_names_and_labels(server: OpenAIServer) -> None:
         before, "cuteinfer:generation_tokens_total") == 4 * 60 + 2
     assert value(m, "cuteinfer:prefix_cache_queries_total") >= 5 * 16
     assert value(m, "cuteinfer:prefix_cache_hits_total") >= 0
-    assert value(m, "cuteinfer:num_preemptions_total") > 0  # from the core's scheduler
+    # from the core's scheduler, through the engine snapshot (published at most every
+    # snapshot_interval_s and when idle: a scrape right after the requests may predate it)
+    assert wait_for(lambda: value(scrape(server), "cuteinfer:num_preemptions_total") > 0)
     # one observation per output step as the front end sees it (steps the core ran while the
     # front end was busy arrive together)
     assert 4 <= value(m, "cuteinfer:inter_token_latency_seconds_count") - value(

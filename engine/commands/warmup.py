@@ -3,8 +3,8 @@
 Compiles every kernel the cuda backend compiles for the model (``Kernels.compile``) into the
 kernel cache on disk (cutlass_kernels/_cache.py), so that later starts load them instead of
 compiling them. Needs no GPU: without one the DSL builds for ``CUTE_DSL_ARCH`` (sm_90a, set by
-cutlass_kernels/_common.py). Kernels depend on ``CUTEINFER_PDL`` too: warm up with the value the
-engine will run with.
+cutlass_kernels/_common.py). Kernels depend on ``CUTEINFER_PDL`` and ``CUTEINFER_FUSED`` too:
+warm up with the values the engine will run with.
 """
 
 from __future__ import annotations

@@ -307,13 +307,17 @@ class CudaExecutor(Executor):
         d_splits = self.decode_splits(d) if d else 1
         cu, ctx, table = ((buf.pre_cu_seqlens, buf.pre_context_lens, buf.pre_page_indices) if d
                           else (buf.cu_seqlens, buf.context_lens, buf.page_indices))
-        k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
         # Fused (every decoder GEMM runs its fused skinny kernel for this M): qkv and gate_up
         # normalize their input rows of resid themselves (the norm weights are folded into
         # theirs), gate_up writes silu(gate) * up, o and down add into resid: six nodes a layer.
         # Unfused (prefill and big mixed steps): the separate kernels, norms with a unit weight.
         m = t if tile_as is None else tile_as
-        fused = all(g.fuses(m) for g in (k.qkv, k.o, k.gate_up, k.down))
+        flags = [g.fuses(m) for g in (k.qkv, k.o, k.gate_up, k.down)]
+        fused = all(flags)
+        if any(flags) and not fused:  # the four share their path options: never expected
+            raise ExecutorError(f"M={m}: the decoder GEMMs disagree on fusing (qkv, o, "
+                                f"gate_up, down: {flags}); compile them with the same paths")
+        k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
         for li, lw in enumerate(w.layers):
             if fused:
                 k.qkv(buf.resid, lw["qkv"], buf.qkv, t, st, tile_as)
