@@ -13,6 +13,7 @@ caller (``graphs`` knows no executor class), and ``make_batch``, the synthetic d
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,8 +47,6 @@ class Hooked:
 def hook_kernels(kernels: Any, hook: Any, names: list[str] | None = None) -> Any:
     """``kernels`` (cuda_model.Kernels) with the launchers in ``names`` (default: all) seen
     through ``hook(name, fn, *args, **kwargs)``."""
-    import dataclasses
-
     names = [f.name for f in dataclasses.fields(kernels)] if names is None else names
     return dataclasses.replace(kernels, **{
         n: Hooked(getattr(kernels, n), lambda fn, *a, _n=n, **k: hook(_n, fn, *a, **k))
