@@ -57,9 +57,10 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import cpasync
+from cutlass.cute.nvgpu import cpasync, warp
 
 from cutlass_kernels._common import Ptr, Scalar, Signature, Unused
+from cutlass_kernels._mma import mn_view, quad_max, quad_sum, swizzled_rows
 from cutlass_kernels.decode_plan import (  # noqa: F401  (re-exported: the plan's home)
     MAX_SPLITS,
     MIN_PAGES_PER_SPLIT,
@@ -73,11 +74,14 @@ NUM_THREADS = 128
 COMBINE_WARPS = 4
 DEFAULT_STAGES = 4
 MERGE_VEC = 4  # fused merge: fp32 values per thread and step
+MMA_STAGES = 2  # the mma variant's pages per warp ring
+MMA_ROWS = 16  # the mma variant's S tile rows: the G <= 8 query heads of a kv head, zero-padded
 
 
 class DecodeAttention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
-                 split: bool = False, num_stages: int = DEFAULT_STAGES, fused: bool = True):
+                 split: bool = False, num_stages: int = DEFAULT_STAGES, fused: bool = True,
+                 mma: bool = False, warps: int = 4):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if page_size != 16:
@@ -94,13 +98,26 @@ class DecodeAttention:
         self.fused = fused  # split only: the combine in this kernel (else a second kernel)
         self.stages = num_stages
         self.chunks = head_dim // 8  # 16-byte chunks per token row = threads per row group
-        self.rows = NUM_THREADS // self.chunks  # row groups (tokens per pass)
-        self.passes = page_size // self.rows
-        assert self.passes * self.rows == page_size
+        self.mma = mma
+        if mma:
+            # `warps` warps, each with its own ring of `num_stages` pages; the warps are the
+            # merge's groups
+            if warps not in (1, 2, 4) or not 1 <= num_stages <= 8:
+                raise ValueError(f"mma: warps in (1, 2, 4), num_stages in [1, 8], got {warps}, "
+                                 f"{num_stages}")
+            self.threads = 32 * warps
+            self.rows = warps
+            self.passes = 0
+            ring = 2 * warps * num_stages * page_size * head_dim
+        else:
+            self.threads = NUM_THREADS
+            self.rows = NUM_THREADS // self.chunks  # row groups (tokens per pass)
+            self.passes = page_size // self.rows
+            assert self.passes * self.rows == page_size
+            ring = 2 * num_stages * page_size * head_dim
         # bf16 elements of the K/V stage ring, which the merge buffer (rows x group x hd fp32)
         # reuses after the main loop (hd 64 with 8 heads per kv head needs more than the ring)
-        self.smem_elems = max(2 * num_stages * page_size * head_dim,
-                              2 * self.rows * self.group * head_dim)
+        self.smem_elems = max(ring, 2 * self.rows * self.group * head_dim)
         assert self.smem_elems >= 2 * self.group * (MAX_SPLITS + 1)  # the fused merge's weights
 
     @cute.jit
@@ -139,17 +156,38 @@ class DecodeAttention:
             cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), cutlass.BFloat16,
             num_bits_per_copy=128)
 
+        # the mma variant: swizzled Q tile and per-warp K / V rings, cp.async tiled copies (a
+        # warp's for its pages, the CTA's for Q), S = Q K^T and O^T = V^T P^T on mma.sync
+        ring_pages = self.rows * self.stages if self.mma else 1
+        sQ_layout = swizzled_rows((MMA_ROWS, hd))
+        ring_layout = swizzled_rows((self.ps, hd, ring_pages))
+        bf16 = cutlass.BFloat16
+        g2s_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cute.nvgpu.LoadCacheMode.GLOBAL), bf16,
+            num_bits_per_copy=128)
+        g2s_warp = cute.make_tiled_copy_tv(g2s_atom, cute.make_layout((4, 8), stride=(8, 1)),
+                                           cute.make_layout((1, 8)))
+        g2s_cta = cute.make_tiled_copy_tv(
+            g2s_atom, cute.make_layout((self.threads // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)))
+        mma_op = warp.MmaF16BF16Op(bf16, cutlass.Float32, (16, 8, 16))
+        mma_s = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, 16, 16))
+        mma_o = cute.make_tiled_mma(mma_op, (1, 1, 1), permutation_mnk=(16, 8, 16))
+
         @cute.struct
         class SharedStorage:
             # K ring then V ring; reused as the fp32 merge buffer after the main loop
-            sKV: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.smem_elems], 128]
+            sKV: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, self.smem_elems], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[
+                cutlass.BFloat16, cute.cosize(sQ_layout) if self.mma else 8], 1024]
             sML: cute.struct.Align[
                 cute.struct.MemRange[cutlass.Float32, self.rows * self.group * 2], 16]
             sFlag: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
 
         self.kernel(mQ, k_cache, v_cache, mPT, mCtx, mO, mWo, mWml, mCnt, mWo4, mO4,
-                    num_splits, scale * LOG2_E, copy_atom, SharedStorage).launch(
-            grid=[self.nkv, num_splits, batch], block=[NUM_THREADS, 1, 1],
+                    num_splits, scale * LOG2_E, copy_atom, SharedStorage, sQ_layout,
+                    ring_layout, g2s_warp, g2s_cta, mma_s, mma_o).launch(
+            grid=[self.nkv, num_splits, batch], block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream)
         if cutlass.const_expr(self.split and not self.fused):
             units = batch * nq
@@ -168,7 +206,10 @@ class DecodeAttention:
                mPT: cute.Tensor, mCtx: cute.Tensor, mO: cute.Tensor, mWo: cute.Tensor,
                mWml: cute.Tensor, mCnt: cute.Tensor, mWo4: cute.Tensor, mO4: cute.Tensor,
                num_splits: cutlass.Int32, scale_log2: cutlass.Float32,
-               copy_atom: cute.CopyAtom, SharedStorage: cutlass.Constexpr):
+               copy_atom: cute.CopyAtom, SharedStorage: cutlass.Constexpr,
+               sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
+               g2s_warp: cute.TiledCopy, g2s_cta: cute.TiledCopy, mma_s: cute.TiledMma,
+               mma_o: cute.TiledMma):
         cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         G, ch, rows, ps, hd = self.group, self.chunks, self.rows, self.ps, self.hd
         f32 = cutlass.Float32
@@ -196,113 +237,121 @@ class DecodeAttention:
         sK = cute.make_tensor(sKV.iterator, stage_layout)
         sV = cute.make_tensor(sKV.iterator + kv_elems, stage_layout)
 
-        # ---- q for the G heads of this kv head, pre-scaled into log2 units
-        rQ = cute.make_rmem_tensor((G, 8), f32)
-        for h in cutlass.range_constexpr(G):
-            qv = mQ[b, kvh * G + h, c, None].load().to(f32)
-            rQ[h, None].store(qv * scale_log2)
-
-        # ---- online-softmax state of this row group (replicated over its `ch` threads)
-        rM = cute.make_rmem_tensor(G, f32)
-        rL = cute.make_rmem_tensor(G, f32)
-        rAcc = cute.make_rmem_tensor((G, 8), f32)
-        rM.fill(neg_inf)
-        rL.fill(0.0)
-        rAcc.fill(0.0)
-        rS = cute.make_rmem_tensor((G, self.passes), f32)
-
-        # cp.async ring: group g <-> page p_begin + g. The ring's first page indices are
-        # loaded together, unpredicated (clamped to a valid column, also for an empty split),
-        # so their latencies overlap instead of chaining before each issue; later ones are
-        # loaded one iteration ahead, so their latency hides behind a page of compute.
-        last_col = cutlass.max(n_pages - 1, 0)
-        rPg = cute.make_rmem_tensor(self.stages, cutlass.Int32)
-        for s in cutlass.range_constexpr(self.stages):
-            rPg[s] = mPT[b, cutlass.min(p_begin + s, last_col)]
-        for s in cutlass.range_constexpr(self.stages - 1):
-            if s < n_iter:
-                self.issue(k_cache, v_cache, sK, sV, copy_atom, rPg[s], kvh, r, c, s)
-            cute.arch.cp_async_commit_group()
-        next_page = rPg[self.stages - 1]
-
-        for it in cutlass.range(n_iter, unroll=1):
-            nxt = it + (self.stages - 1)
-            if nxt < n_iter:
-                self.issue(k_cache, v_cache, sK, sV, copy_atom, next_page, kvh, r, c,
-                           nxt % self.stages)
-            if nxt + 1 < n_iter:
-                next_page = mPT[b, p_begin + nxt + 1]
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(self.stages - 1)
-            stage = it % self.stages
-            tok0 = (p_begin + it) * ps
-            # scores q.k for this thread's rows, reduced over the row group's threads
-            for i in cutlass.range_constexpr(self.passes):
-                row = r + i * rows
-                kf = sK[stage, row, c, None].load().to(f32)
-                for h in cutlass.range_constexpr(G):
-                    part = (kf * rQ[h, None].load()).reduce(cute.ReductionOp.ADD, 0.0, 0)
-                    for sh in cutlass.range_constexpr(int(math.log2(ch))):
-                        part = part + cute.arch.shuffle_sync_bfly(part, offset=ch >> (sh + 1))
-                    rS[h, i] = part if tok0 + row < ctx else neg_inf
-            # online softmax update; invalid rows carry score -inf and a zeroed V
-            for h in cutlass.range_constexpr(G):
-                m_new = rM[h]
-                for i in cutlass.range_constexpr(self.passes):
-                    m_new = cute.arch.fmax(m_new, rS[h, i])
-                m_use = 0.0 if m_new == neg_inf else m_new
-                alpha = cute.math.exp2(rM[h] - m_use, fastmath=True)
-                rM[h] = m_new
-                rL[h] = rL[h] * alpha
-                rAcc[h, None].store(rAcc[h, None].load() * alpha)
-            for i in cutlass.range_constexpr(self.passes):
-                row = r + i * rows
-                vf = sV[stage, row, c, None].load().to(f32)
-                valid = tok0 + row < ctx
-                for h in cutlass.range_constexpr(G):
-                    m_use = 0.0 if rM[h] == neg_inf else rM[h]
-                    p = cute.math.exp2(rS[h, i] - m_use, fastmath=True)
-                    rL[h] = rL[h] + p
-                    if valid:
-                        rAcc[h, None].store(rAcc[h, None].load() + vf * p)
-
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-
-        # ---- merge the row groups through shared memory
+        # the fp32 merge buffer (row group / warp, head, dims) over the K/V ring, after the loop
         sAcc = cute.make_tensor(cute.recast_ptr(sKV.iterator, dtype=f32),
                                 cute.make_layout((rows, G, ch, 8),
                                                  stride=(G * hd, hd, 8, 1)))
-        for h in cutlass.range_constexpr(G):
-            sAcc[r, h, c, None].store(rAcc[h, None].load())
-            if c == 0:
-                sML[r, h, 0] = rM[h]
-                sML[r, h, 1] = rL[h]
+        if cutlass.const_expr(self.mma):
+            self.mma_main(mQ, k_cache, v_cache, mPT, sKV, storage.sQ, sAcc, sML, sQ_layout,
+                          ring_layout, g2s_warp, g2s_cta, mma_s, mma_o, b, kvh, ctx, p_begin,
+                          n_iter, scale_log2, tidx)
+        else:
+            # ---- q for the G heads of this kv head, pre-scaled into log2 units
+            rQ = cute.make_rmem_tensor((G, 8), f32)
+            for h in cutlass.range_constexpr(G):
+                qv = mQ[b, kvh * G + h, c, None].load().to(f32)
+                rQ[h, None].store(qv * scale_log2)
+
+            # ---- online-softmax state of this row group (replicated over its `ch` threads)
+            rM = cute.make_rmem_tensor(G, f32)
+            rL = cute.make_rmem_tensor(G, f32)
+            rAcc = cute.make_rmem_tensor((G, 8), f32)
+            rM.fill(neg_inf)
+            rL.fill(0.0)
+            rAcc.fill(0.0)
+            rS = cute.make_rmem_tensor((G, self.passes), f32)
+
+            # cp.async ring: group g <-> page p_begin + g. The ring's first page indices are
+            # loaded together, unpredicated (clamped to a valid column, also for an empty split),
+            # so their latencies overlap instead of chaining before each issue; later ones are
+            # loaded one iteration ahead, so their latency hides behind a page of compute.
+            last_col = cutlass.max(n_pages - 1, 0)
+            rPg = cute.make_rmem_tensor(self.stages, cutlass.Int32)
+            for s in cutlass.range_constexpr(self.stages):
+                rPg[s] = mPT[b, cutlass.min(p_begin + s, last_col)]
+            for s in cutlass.range_constexpr(self.stages - 1):
+                if s < n_iter:
+                    self.issue(k_cache, v_cache, sK, sV, copy_atom, rPg[s], kvh, r, c, s)
+                cute.arch.cp_async_commit_group()
+            next_page = rPg[self.stages - 1]
+
+            for it in cutlass.range(n_iter, unroll=1):
+                nxt = it + (self.stages - 1)
+                if nxt < n_iter:
+                    self.issue(k_cache, v_cache, sK, sV, copy_atom, next_page, kvh, r, c,
+                               nxt % self.stages)
+                if nxt + 1 < n_iter:
+                    next_page = mPT[b, p_begin + nxt + 1]
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(self.stages - 1)
+                stage = it % self.stages
+                tok0 = (p_begin + it) * ps
+                # scores q.k for this thread's rows, reduced over the row group's threads
+                for i in cutlass.range_constexpr(self.passes):
+                    row = r + i * rows
+                    kf = sK[stage, row, c, None].load().to(f32)
+                    for h in cutlass.range_constexpr(G):
+                        part = (kf * rQ[h, None].load()).reduce(cute.ReductionOp.ADD, 0.0, 0)
+                        for sh in cutlass.range_constexpr(int(math.log2(ch))):
+                            part = part + cute.arch.shuffle_sync_bfly(part, offset=ch >> (sh + 1))
+                        rS[h, i] = part if tok0 + row < ctx else neg_inf
+                # online softmax update; invalid rows carry score -inf and a zeroed V
+                for h in cutlass.range_constexpr(G):
+                    m_new = rM[h]
+                    for i in cutlass.range_constexpr(self.passes):
+                        m_new = cute.arch.fmax(m_new, rS[h, i])
+                    m_use = 0.0 if m_new == neg_inf else m_new
+                    alpha = cute.math.exp2(rM[h] - m_use, fastmath=True)
+                    rM[h] = m_new
+                    rL[h] = rL[h] * alpha
+                    rAcc[h, None].store(rAcc[h, None].load() * alpha)
+                for i in cutlass.range_constexpr(self.passes):
+                    row = r + i * rows
+                    vf = sV[stage, row, c, None].load().to(f32)
+                    valid = tok0 + row < ctx
+                    for h in cutlass.range_constexpr(G):
+                        m_use = 0.0 if rM[h] == neg_inf else rM[h]
+                        p = cute.math.exp2(rS[h, i] - m_use, fastmath=True)
+                        rL[h] = rL[h] + p
+                        if valid:
+                            rAcc[h, None].store(rAcc[h, None].load() + vf * p)
+
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+
+            # ---- merge the row groups through shared memory
+            for h in cutlass.range_constexpr(G):
+                sAcc[r, h, c, None].store(rAcc[h, None].load())
+                if c == 0:
+                    sML[r, h, 0] = rM[h]
+                    sML[r, h, 1] = rL[h]
         cute.arch.sync_threads()
 
-        if tidx < G * ch:
-            h = tidx // ch
-            cc = tidx % ch
-            m_all = neg_inf
-            for g in cutlass.range_constexpr(rows):
-                m_all = cute.arch.fmax(m_all, sML[g, h, 0])
-            m_use = 0.0 if m_all == neg_inf else m_all
-            l_all = cutlass.Float32(0.0)
-            o = cute.make_rmem_tensor(8, f32)
-            o.fill(0.0)
-            for g in cutlass.range_constexpr(rows):
-                w = cute.math.exp2(sML[g, h, 0] - m_use, fastmath=True)
-                l_all = l_all + sML[g, h, 1] * w
-                o.store(o.load() + sAcc[g, h, cc, None].load() * w)
-            qh = kvh * G + h
-            if cutlass.const_expr(self.split):
-                mWo[b, qh, split, cc, None].store(o.load())
-                if cc == 0:
-                    mWml[b, qh, split, 0] = m_all
-                    mWml[b, qh, split, 1] = l_all
-            else:
-                inv = 0.0 if l_all == 0.0 else 1.0 / l_all
-                mO[b, qh, cc, None].store((o.load() * inv).to(cutlass.BFloat16))
+        for u0 in cutlass.range_constexpr(-(-G * ch // self.threads)):
+            u = tidx + u0 * self.threads
+            if u < G * ch:
+                h = u // ch
+                cc = u % ch
+                m_all = neg_inf
+                for g in cutlass.range_constexpr(rows):
+                    m_all = cute.arch.fmax(m_all, sML[g, h, 0])
+                m_use = 0.0 if m_all == neg_inf else m_all
+                l_all = cutlass.Float32(0.0)
+                o = cute.make_rmem_tensor(8, f32)
+                o.fill(0.0)
+                for g in cutlass.range_constexpr(rows):
+                    w = cute.math.exp2(sML[g, h, 0] - m_use, fastmath=True)
+                    l_all = l_all + sML[g, h, 1] * w
+                    o.store(o.load() + sAcc[g, h, cc, None].load() * w)
+                qh = kvh * G + h
+                if cutlass.const_expr(self.split):
+                    mWo[b, qh, split, cc, None].store(o.load())
+                    if cc == 0:
+                        mWml[b, qh, split, 0] = m_all
+                        mWml[b, qh, split, 1] = l_all
+                else:
+                    inv = 0.0 if l_all == 0.0 else 1.0 / l_all
+                    mO[b, qh, cc, None].store((o.load() * inv).to(cutlass.BFloat16))
 
         if cutlass.const_expr(self.split and self.fused):
             # release this CTA's partials (each writer fences its own), then count it in
@@ -318,6 +367,202 @@ class DecodeAttention:
                 self.merge(mWo4, mWml, mO4, sKV, b, kvh, n_active, tidx)
                 if tidx == 0:
                     mCnt[b, kvh] = cutlass.Int32(0)  # ready for the next launch (graph replay)
+
+    @cute.jit
+    def mma_main(self, mQ: cute.Tensor, k_cache: cute.Pointer, v_cache: cute.Pointer,
+                 mPT: cute.Tensor, sKV: cute.Tensor, sQ_mem: cute.struct.MemRange,
+                 sAcc: cute.Tensor, sML: cute.Tensor, sQ_layout: cute.ComposedLayout,
+                 ring_layout: cute.ComposedLayout, g2s_warp: cute.TiledCopy,
+                 g2s_cta: cute.TiledCopy, mma_s: cute.TiledMma, mma_o: cute.TiledMma,
+                 b: cutlass.Int32, kvh: cutlass.Int32, ctx: cutlass.Int32,
+                 p_begin: cutlass.Int32, n_iter: cutlass.Int32, scale_log2: cutlass.Float32,
+                 tidx: cutlass.Int32):
+        """The tensor-core main loop: warp w takes the split's pages w, w + W, ... through its
+        own cp.async ring (no block barrier in the loop) and keeps an online softmax for the
+        G heads; on exit sAcc[w] / sML[w] hold its unnormalized O, max (log2 units) and sum.
+
+        S = Q K^T is m16n8k16 with the G heads as rows (zero-padded to 16; lane l holds head
+        l // 4), K as B straight from ldmatrix. O^T = V^T P^T puts hd in M (no padded rows):
+        A = V^T by ldmatrix.trans, and B = P^T is S's accumulator as it lies (lane l's S values
+        (head l // 4, tokens 2 (l % 4) + {0, 1}, + 8) are exactly its B fragment of P^T).
+        O^T's lane holds heads 2 (l % 4) + {0, 1}, whose rescale factors come from lanes 8 (l % 4)
+        and 8 (l % 4) + 4 by shuffle. Token rows at or past ctx are zero-filled, not loaded,
+        so a stale (even NaN) slot meets P = 0 as 0."""
+        bf16, f32 = cutlass.BFloat16, cutlass.Float32
+        neg_inf = -cutlass.Float32.inf
+        G, ps, hd, W, S = self.group, self.ps, self.hd, self.rows, self.stages
+        warp_i = tidx // 32
+        lane = tidx % 32
+
+        sQ = sQ_mem.get_tensor(sQ_layout)
+        sK_all = cute.make_tensor(sKV.iterator, ring_layout)
+        sV_all = cute.make_tensor(sKV.iterator + cute.cosize(ring_layout), ring_layout)
+        # V^T views (hd, tokens) of every ring slot
+        sVt_all = cute.composition(sV_all, cute.make_layout((hd, ps, W * S),
+                                                            stride=(ps, 1, ps * hd)))
+
+        # ---- Q: rows h < G <- q[b, kvh * G + h], rows G.. zero (issued first, waited below)
+        thr_q = g2s_cta.get_slice(tidx)
+        q_off = cute.assume((b * self.nq + kvh * G) * hd, divby=hd)
+        gQ = cute.make_tensor(mQ.iterator + q_off, cute.make_layout((MMA_ROWS, hd),
+                                                                     stride=(hd, 1)))
+        tQg = thr_q.partition_S(gQ)
+        tQs = thr_q.partition_D(sQ)
+        tQc = thr_q.partition_S(cute.make_identity_tensor((MMA_ROWS, hd)))
+        for mi in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+            if tQc[0, mi, 0][0] < G:
+                cute.copy(g2s_cta, tQg[None, mi, None], tQs[None, mi, None])
+            else:
+                tQs[None, mi, None].fill(0)
+        cute.arch.cp_async_commit_group()
+
+        # ---- this warp's pages: local index warp_i + W * j of the split
+        n_w = (n_iter - warp_i + W - 1) // W
+        thr_kv = g2s_warp.get_slice(lane)
+        tPc = thr_kv.partition_S(cute.make_identity_tensor((ps, hd)))
+        last_col = cutlass.max((ctx + ps - 1) // ps - 1, 0)  # a valid column, also when empty
+        rPg = cute.make_rmem_tensor(S, cutlass.Int32)
+        for s in cutlass.range_constexpr(S):
+            rPg[s] = mPT[b, cutlass.min(p_begin + warp_i + W * s, last_col)]
+        for s in cutlass.range_constexpr(S - 1):
+            if s < n_w:
+                self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg[s],
+                               kvh, (p_begin + warp_i + W * s) * ps, ctx, warp_i * S + s)
+            cute.arch.cp_async_commit_group()
+        next_page = rPg[S - 1]
+
+        # ---- Q into registers (A fragments of every k block), once for the whole loop
+        thr_s = mma_s.get_slice(lane)
+        thr_o = mma_o.get_slice(lane)
+        cute.arch.cp_async_wait_group(S - 1)  # this thread's Q chunks (the oldest group)
+        cute.arch.sync_threads()  # everyone's
+        s2r_Q = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16),
+            mma_s)
+        s2r_K = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16),
+            mma_s)
+        s2r_Vt = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), bf16),
+            mma_o)
+        thr_s2r_Q = s2r_Q.get_slice(lane)
+        thr_s2r_K = s2r_K.get_slice(lane)
+        thr_s2r_Vt = s2r_Vt.get_slice(lane)
+        tSrQ = thr_s.make_fragment_A(thr_s.partition_A(sQ))
+        cute.copy(s2r_Q, thr_s2r_Q.partition_S(sQ), thr_s2r_Q.retile(tSrQ))
+        sK0 = sK_all[None, None, 0]
+        sVt0 = sVt_all[None, None, 0]
+        tSrK = thr_s.make_fragment_B(thr_s.partition_B(sK0))
+        tOrVt = thr_o.make_fragment_A(thr_o.partition_A(sVt0))
+        tSrK_v = thr_s2r_K.retile(tSrK)
+        tOrVt_v = thr_s2r_Vt.retile(tOrVt)
+        tScS = mn_view(thr_s.partition_C(cute.make_identity_tensor((MMA_ROWS, ps))))
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((hd, 8)), f32)
+        acc_O.fill(0.0)
+        rPt = cute.make_rmem_tensor(thr_o.partition_shape_B((8, ps)), bf16)
+        row_max = cute.make_rmem_tensor(1, f32)
+        row_sum = cute.make_rmem_tensor(1, f32)
+        row_max.fill(neg_inf)
+        row_sum.fill(0.0)
+        n_k = cute.size(tSrQ.shape[2])
+        head_a = 8 * (lane % 4)  # O^T column heads 2 (l % 4) + {0, 1} live in lanes 4 h
+
+        for it in cutlass.range(n_w, unroll=1):
+            nxt = it + (S - 1)
+            if nxt < n_w:
+                self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc,
+                               next_page, kvh, (p_begin + warp_i + W * nxt) * ps, ctx,
+                               warp_i * S + nxt % S)
+            if nxt + 1 < n_w:
+                next_page = mPT[b, p_begin + warp_i + W * (nxt + 1)]
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(S - 1)
+            cute.arch.sync_warp()  # every lane's chunks of this page are in
+            slot = warp_i * S + it % S
+            tok0 = (p_begin + warp_i + W * it) * ps
+
+            # S = Q K^T (fp32), then log2 units, tokens past ctx masked
+            tSsK = thr_s2r_K.partition_S(sK_all[None, None, slot])
+            acc_S = cute.make_rmem_tensor(thr_s.partition_shape_C((MMA_ROWS, ps)), f32)
+            acc_S.fill(0.0)
+            cute.copy(s2r_K, tSsK[None, None, 0], tSrK_v[None, None, 0])
+            for k in cutlass.range_constexpr(n_k):
+                if cutlass.const_expr(k + 1 < n_k):
+                    cute.copy(s2r_K, tSsK[None, None, k + 1], tSrK_v[None, None, k + 1])
+                cute.gemm(mma_s, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+            acc_S_mn = mn_view(acc_S)
+            for cc in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+                sv = acc_S_mn[0, cc] * scale_log2
+                acc_S_mn[0, cc] = sv if tok0 + tScS[0, cc][1] < ctx else neg_inf
+
+            # online softmax of head lane // 4 (row 0 of the view; row 1 is padding)
+            s_row = acc_S_mn[0, None].load()
+            m_new = cute.arch.fmax(row_max[0], quad_max(
+                s_row.reduce(cute.ReductionOp.MAX, neg_inf, 0)))
+            m_use = 0.0 if m_new == neg_inf else m_new
+            p_row = cute.math.exp2(s_row - m_use, fastmath=True)
+            alpha = cute.math.exp2(row_max[0] - m_use, fastmath=True)
+            row_sum[0] = row_sum[0] * alpha + p_row.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            row_max[0] = m_new
+            acc_S_mn[0, None] = p_row
+            # P^T's B fragment: values (k pair i, k half h) = S (row 0, pair i, n atom h)
+            for h in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(2):
+                    rPt[i + 2 * h] = acc_S[i + 4 * h].to(bf16)
+            # rescale O^T's columns: heads 2 (l % 4) and 2 (l % 4) + 1
+            a0 = cute.arch.shuffle_sync(alpha, offset=head_a)
+            a1 = cute.arch.shuffle_sync(alpha, offset=head_a + 4)
+            acc_O_mn = mn_view(acc_O)
+            for rr in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+                acc_O_mn[rr, 0] = acc_O_mn[rr, 0] * a0
+                acc_O_mn[rr, 1] = acc_O_mn[rr, 1] * a1
+
+            # O^T += V^T P^T over hd / 16 m blocks (one k block of 16 tokens)
+            tOsVt = thr_s2r_Vt.partition_S(sVt_all[None, None, slot])
+            cute.copy(s2r_Vt, tOsVt, tOrVt_v)
+            cute.gemm(mma_o, acc_O, tOrVt, rPt, acc_O)
+            cute.arch.sync_warp()  # every lane is done with this slot before it is refilled
+
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()  # every warp is out of the ring: sAcc may overwrite it
+
+        # ---- this warp's state into the merge buffer: sum over the quad, O^T by column head
+        total = quad_sum(row_sum[0])
+        h_row = lane // 4
+        if h_row < G and lane % 4 == 0:
+            sML[warp_i, h_row, 0] = row_max[0]
+            sML[warp_i, h_row, 1] = total
+        sAcc_d = cute.make_tensor(sAcc.iterator, cute.make_layout((W, G, hd),
+                                                                  stride=(G * hd, hd, 1)))
+        tOcO = mn_view(thr_o.partition_C(cute.make_identity_tensor((hd, 8))))
+        acc_O_mn = mn_view(acc_O)
+        for rr in cutlass.range_constexpr(cute.size(acc_O_mn.shape[0])):
+            for cc in cutlass.range_constexpr(cute.size(acc_O_mn.shape[1])):
+                if tOcO[rr, cc][1] < G:
+                    sAcc_d[warp_i, tOcO[rr, cc][1], tOcO[rr, cc][0]] = acc_O_mn[rr, cc]
+
+    @cute.jit
+    def mma_issue(self, k_cache: cute.Pointer, v_cache: cute.Pointer, sK_all: cute.Tensor,
+                  sV_all: cute.Tensor, g2s_warp: cute.TiledCopy, thr_kv: cute.TiledCopy,
+                  tPc: cute.Tensor, page: cutlass.Int32, kvh: cutlass.Int32,
+                  tok0: cutlass.Int32, ctx: cutlass.Int32, slot: cutlass.Int32):
+        """cp.async one (page, kvh) tile of K and V into ring slot `slot` by this warp's 32
+        lanes; token rows at or past ctx are zero-filled instead."""
+        ps, hd = self.ps, self.hd
+        off = cute.assume((cutlass.Int64(page) * self.nkv + cutlass.Int64(kvh)) * (ps * hd),
+                          divby=ps * hd)
+        tile = cute.make_layout((ps, hd), stride=(hd, 1))
+        tKg = thr_kv.partition_S(cute.make_tensor(k_cache + off, tile))
+        tVg = thr_kv.partition_S(cute.make_tensor(v_cache + off, tile))
+        tKs = thr_kv.partition_D(sK_all[None, None, slot])
+        tVs = thr_kv.partition_D(sV_all[None, None, slot])
+        for i in cutlass.range_constexpr(cute.size(tKs.shape[1])):
+            if tok0 + tPc[0, i, 0][0] < ctx:
+                cute.copy(g2s_warp, tKg[None, i, None], tKs[None, i, None])
+                cute.copy(g2s_warp, tVg[None, i, None], tVs[None, i, None])
+            else:
+                tKs[None, i, None].fill(0)
+                tVs[None, i, None].fill(0)
 
     @cute.jit
     def merge(self, mWo4: cute.Tensor, mWml: cute.Tensor, mO4: cute.Tensor, sKV: cute.Tensor,
@@ -338,8 +583,8 @@ class DecodeAttention:
         warp = tidx // 32
         lane = tidx % 32
         # weights 2^(m_j - max) and 1 / l: one warp per head, lane owns splits lane, lane + 32
-        for hw in cutlass.range_constexpr((G + NUM_THREADS // 32 - 1) // (NUM_THREADS // 32)):
-            h = warp + hw * (NUM_THREADS // 32)
+        for hw in cutlass.range_constexpr((G + self.threads // 32 - 1) // (self.threads // 32)):
+            h = warp + hw * (self.threads // 32)
             if h < G:
                 qh = kvh * G + h
                 rMj = cute.make_rmem_tensor(slots, f32)
@@ -370,8 +615,8 @@ class DecodeAttention:
         # o: thread owns MERGE_VEC dims of one head, summed over the splits in order
         nv = hd // MERGE_VEC
         units = G * nv
-        for i in cutlass.range_constexpr((units + NUM_THREADS - 1) // NUM_THREADS):
-            u = tidx + i * NUM_THREADS
+        for i in cutlass.range_constexpr((units + self.threads - 1) // self.threads):
+            u = tidx + i * self.threads
             if u < units:
                 h = u // nv
                 v = u % nv
@@ -482,28 +727,34 @@ class DecodeAttentionLauncher:
 
 
 def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool,
-             num_stages: int, fused: bool = True) -> _common.Kernel:
+             num_stages: int, fused: bool = True, mma: bool = False,
+             warps: int = 4) -> _common.Kernel:
     op = DecodeAttention(nq, nkv, head_dim, page_size, split=split, num_stages=num_stages,
-                         fused=fused)
+                         fused=fused, mma=mma, warps=warps)
     return SIGNATURE.compile(op)
 
 
 def compile_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
-                             page_size: int = 16, num_stages: int = DEFAULT_STAGES,
-                             fused: bool = True) -> DecodeAttentionLauncher:
+                             page_size: int = 16, num_stages: int | None = None,
+                             fused: bool = True, mma: bool = False,
+                             warps: int = 4) -> DecodeAttentionLauncher:
     """Compile (once per shape) the single-split and the split variants.
-    ``num_stages``: pages in the cp.async ring (``num_stages - 1`` in flight per CTA).
-    ``fused=False``: the split variant as two kernels (partials, then a combine kernel), the
-    design the fused one replaced, for comparison (same bits, one more graph node)."""
-    if not 2 <= num_stages <= 16:
-        raise ValueError(f"num_stages must be in [2, 16], got {num_stages}")
+    ``num_stages``: pages in the cp.async ring (``num_stages - 1`` in flight per CTA; mma: per
+    warp, default MMA_STAGES). ``fused=False``: the split variant as two kernels (partials, then
+    a combine kernel), the design the fused one replaced, for comparison (same bits, one more
+    graph node). ``mma``: the tensor-core main loop with ``warps`` warps per CTA."""
+    if num_stages is None:
+        num_stages = MMA_STAGES if mma else DEFAULT_STAGES
+    lo = 1 if mma else 2
+    if not lo <= num_stages <= (8 if mma else 16):
+        raise ValueError(f"num_stages must be in [{lo}, {8 if mma else 16}], got {num_stages}")
     key = ("decode_attention", num_q_heads, num_kv_heads, head_dim, page_size, num_stages,
-           fused)
+           fused) + ((("mma", warps),) if mma else ())
 
     def build() -> DecodeAttentionLauncher:
+        args = (num_q_heads, num_kv_heads, head_dim, page_size)
         return DecodeAttentionLauncher(
-            num_q_heads, num_kv_heads, head_dim, page_size,
-            _compile(num_q_heads, num_kv_heads, head_dim, page_size, False, num_stages),
-            _compile(num_q_heads, num_kv_heads, head_dim, page_size, True, num_stages, fused))
+            *args, _compile(*args, False, num_stages, mma=mma, warps=warps),
+            _compile(*args, True, num_stages, fused, mma=mma, warps=warps))
 
     return _common.cached_compile(key, build)

@@ -30,7 +30,7 @@ def split_counters_offset(workspace_nbytes: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
-                      page_size: int = 16) -> int:
+                      page_size: int = 16, mma: bool = False) -> int:
     """Splits per sequence for a decode bucket: about two CTAs per SM over the launch.
 
     Measured on the H200 (tools/tune_attention.py, docs/perf.md): back-to-back in a graph the
@@ -39,11 +39,13 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     cp.async ring (6, 8, 12 stages) only lowers occupancy. A split still covers at least
     MIN_PAGES_PER_SPLIT pages of max_context, or the combine costs more than it saves; sequences
     shorter than max_context spread their pages over the same splits (some stay empty, cheap).
+    ``mma``: the tensor-core loop, which reads one split at B * nkv = 1024 faster (qwen3-8b
+    shape, B = 128: 124.6 us vs 132.3 at two splits; docs/perf.md v22).
     """
     ctas = max(1, batch * num_kv_heads)
     pages = max(1, -(-max_context // page_size))
     want = -(-2 * num_sms // ctas)
-    if 1024 <= ctas < 2048:
+    if 1024 <= ctas < 2048 and not mma:
         # measured, not modelled: at B * nkv = 1024 two splits beat one for qwen3-0.6b (GQA 2:
         # 138 vs 151 us, three repeats) and tie end-to-end for qwen3-8b; at 512 one split wins,
         # and at 2048 (bucket 256) one split is what v1-v3 measured

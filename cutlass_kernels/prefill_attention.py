@@ -36,6 +36,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cutlass_kernels._common import Ptr, Scalar, Signature
+from cutlass_kernels._mma import mn_view, quad_max, quad_sum, swizzled_rows
 
 LOG2_E = 1.4426950408889634
 NUM_THREADS = 128
@@ -77,11 +78,8 @@ class PrefillAttention:
         mPT = cute.make_tensor(page_indices, cute.make_layout((batch, page_stride),
                                                               stride=(page_stride, 1)))
 
-        # 128-byte swizzled rows: 8 rows x 64 bf16 atoms, conflict-free for cp.async and ldmatrix
-        atom = cute.make_composed_layout(cute.make_swizzle(3, 3, 3), 0,
-                                         cute.make_layout((8, 64), stride=(64, 1)))
-        sQ_layout = cute.tile_to_shape(atom, (tm, hd), (0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (tn, hd), (0, 1))
+        sQ_layout = swizzled_rows((tm, hd))
+        sKV_layout = swizzled_rows((tn, hd))
 
         @cute.struct
         class SharedStorage:
@@ -179,7 +177,7 @@ class PrefillAttention:
             tOsVt = thr_s2r_V.partition_S(sVt)
             tOrVt_v = thr_s2r_V.retile(tOrVt)
             # (row, col) of every S accumulator element, as a (rows, cols) view
-            tScS = self._mn_view(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))))
+            tScS = mn_view(thr_mma.partition_C(cute.make_identity_tensor((tm, tn))))
 
             # ---- prologue: Q tile (rows past q_len zero-filled) and the last KV tile's K
             for mi in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
@@ -208,9 +206,9 @@ class PrefillAttention:
                 self.one_kv_tile(n_unmasked - 1 - i, False, *ctx_args)
 
             # ---- epilogue: normalize, bf16, registers -> smem (reusing sQ) -> gmem
-            acc_O_mn = self._mn_view(acc_O)
+            acc_O_mn = mn_view(acc_O)
             for r in cutlass.range_constexpr(n_rows):
-                total = self._quad_sum(row_sum[r])
+                total = quad_sum(row_sum[r])
                 inv = 0.0 if total == 0.0 else 1.0 / total
                 acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
             rO = cute.make_fragment_like(acc_O, bf16)
@@ -295,8 +293,8 @@ class PrefillAttention:
             cute.arch.cp_async_commit_group()
 
         # ---- online softmax over this tile (rows of S are spread over a quad of threads)
-        acc_S_mn = self._mn_view(acc_S)
-        acc_O_mn = self._mn_view(acc_O)
+        acc_S_mn = mn_view(acc_S)
+        acc_O_mn = mn_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_max)):
             if cutlass.const_expr(masked):
                 pos = pos0 + tScS[r, 0][0]
@@ -305,7 +303,7 @@ class PrefillAttention:
                     if col > pos or col >= kv_end:
                         acc_S_mn[r, c] = neg_inf
             s_row = acc_S_mn[r, None].load()
-            m_new = cute.arch.fmax(row_max[r], self._quad_max(
+            m_new = cute.arch.fmax(row_max[r], quad_max(
                 s_row.reduce(cute.ReductionOp.MAX, neg_inf, 0)))
             m_use = 0.0 if m_new == neg_inf else m_new  # fully masked so far: keep exp2 finite
             m_scaled = m_use * scale_log2
@@ -331,25 +329,6 @@ class PrefillAttention:
             if cutlass.const_expr(k + 1 < n_kv):
                 cute.copy(s2r_V, tOsVt[None, None, k + 1], tOrVt_v[None, None, k + 1])
             cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
-
-    @staticmethod
-    def _mn_view(acc: cute.Tensor) -> cute.Tensor:
-        """((2, 2), MMA_M, MMA_N) accumulator -> ((2, MMA_M) rows, (2, MMA_N) cols) view."""
-        lay = cute.make_layout(acc.layout.shape)
-        mn = cute.make_layout(
-            ((lay.shape[0][1], lay.shape[1]), (lay.shape[0][0], lay.shape[2])),
-            stride=((lay.stride[0][1], lay.stride[1]), (lay.stride[0][0], lay.stride[2])))
-        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
-
-    @staticmethod
-    def _quad_max(x: cutlass.Float32) -> cutlass.Float32:
-        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
-        return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
-
-    @staticmethod
-    def _quad_sum(x: cutlass.Float32) -> cutlass.Float32:
-        x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
-        return x + cute.arch.shuffle_sync_bfly(x, offset=1)
 
 
 SIGNATURE = Signature(

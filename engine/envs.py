@@ -16,6 +16,9 @@ Each variable has a function here; the rest of the engine calls the function, ne
 - ``CUTEINFER_GEMM_WIDE``: ``1`` serves M = 65..512 rows of the linear layers with the wide
   swap-AB GEMM (cutlass_kernels/gemm_wide.py); an integer 2..512 serves M from that many rows
   up (<= 64 adds its 64-token tile). Default ``0``: skinny up to 128 rows, tiled above.
+- ``CUTEINFER_DECODE_ATTN``: the decode attention's main loop: ``mma`` (default: tensor cores,
+  4 warps per CTA with a 2-page ring each; ``mma:WxS`` for W warps, S pages) or ``simt`` (the
+  CUDA-core loop it replaced; docs/perf.md v22).
 - ``CUTEINFER_KERNEL_CACHE``: ``0`` turns the on-disk kernel cache off (default ``1``: compiled
   kernels are kept under ``<cache root>/kernels``, cutlass_kernels/_cache.py).
 - ``CUTEINFER_COMPILE_WORKERS``: processes that compile missing kernels in parallel (default: one
@@ -93,6 +96,25 @@ def fused_layers() -> bool:
     if value not in ("0", "1", "true", "false", "on", "off", ""):
         raise ValueError(f"CUTEINFER_FUSED must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on", "")
+
+
+def decode_attention_options() -> dict:
+    """``CUTEINFER_DECODE_ATTN``: compile_decode_attention keywords. ``mma`` (default): the
+    tensor-core loop at its default shape; ``mma:WxS``: W warps, S pages a warp; ``simt``: {}."""
+    value = os.environ.get("CUTEINFER_DECODE_ATTN", "mma").strip().lower() or "mma"
+    if value == "simt":
+        return {}
+    kind, _, conf = value.partition(":")
+    try:
+        if kind != "mma":
+            raise ValueError
+        if not conf:
+            return {"mma": True}
+        warps, stages = (int(x) for x in conf.split("x"))
+    except ValueError:
+        raise ValueError(f"CUTEINFER_DECODE_ATTN must be simt, mma or mma:WxS (e.g. mma:4x2), "
+                         f"got {value!r}") from None
+    return {"mma": True, "warps": warps, "num_stages": stages}
 
 
 def gemm_wide_from() -> int:

@@ -30,7 +30,32 @@ def test_decode_attention_compiles(shape):
     assert compile_decode_attention(*shape) is launcher  # cached on the compile-time key
 
 
-def _decode_ptx(tmp_path, monkeypatch, shape, fused: bool) -> str:
+@pytest.mark.parametrize("shape", MODEL_SHAPES + TEST_SHAPES)
+@pytest.mark.parametrize("warps, stages", [(4, 2), (2, 4), (1, 1)])
+def test_decode_attention_mma_compiles(shape, warps, stages):
+    from cutlass_kernels.decode_attention import compile_decode_attention
+
+    launcher = compile_decode_attention(*shape, mma=True, warps=warps, num_stages=stages)
+    assert launcher._single is not None and launcher._split is not None
+    assert compile_decode_attention(*shape, mma=True, warps=warps,
+                                    num_stages=stages) is launcher
+    assert compile_decode_attention(*shape) is not launcher  # its own cache key
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64)])
+def test_decode_attention_mma_ptx(tmp_path, monkeypatch, shape):
+    """The tensor-core loop: mma.sync and ldmatrix (plain and .trans), cp.async, nothing
+    spilled; per page hd / 16 * 2 mma for S = Q K^T and hd / 16 for O^T = V^T P^T."""
+    ptx = _decode_ptx(tmp_path, monkeypatch, shape, fused=True, mma=True)
+    hd = shape[2]
+    assert ".target sm_90a" in ptx and ptx.count(".entry ") == 1
+    assert ptx.count("mma.sync.aligned.m16n8k16") == hd // 16 * 3
+    assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx
+    assert "cp.async.cg.shared.global" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx)
+
+
+def _decode_ptx(tmp_path, monkeypatch, shape, fused: bool, **opts) -> str:
     import cutlass
     import cutlass.cute as cute
 
@@ -38,7 +63,7 @@ def _decode_ptx(tmp_path, monkeypatch, shape, fused: bool) -> str:
 
     # --keep-ptx writes into the DSL's dump dir: point it at tmp_path
     monkeypatch.setattr(cutlass.base_dsl.BaseDSL._get_dsl().envar, "dump_dir", str(tmp_path))
-    op = DecodeAttention(*shape, split=True, fused=fused)
+    op = DecodeAttention(*shape, split=True, fused=fused, **opts)
     return cute.compile(op, *SIGNATURE.fake_args(), options="--keep-ptx").__ptx__
 
 
@@ -89,6 +114,7 @@ def test_decode_helpers():
     assert choose_num_splits(256, 8, 4096) == 1  # 2048 CTAs fill the GPU
     assert choose_num_splits(128, 8, 1024) == 2  # 1024 CTAs: two splits measured faster
     assert choose_num_splits(64, 8, 1024) == 1  # 512 CTAs: one split was fastest
+    assert choose_num_splits(128, 8, 1024, mma=True) == 1  # the mma loop: one split
     assert choose_num_splits(8, 8, 1024) == 5  # 64 CTAs: 4-5 splits, not 8
     assert choose_num_splits(1, 8, 40960) == 33
     assert choose_num_splits(1, 8, 1024) == 8  # capped at 8 pages per split
@@ -216,3 +242,25 @@ def test_ref_prefill_matches_naive_loop():
                                   h // (nq // nkv), n_attend, 0.25)
                 np.testing.assert_allclose(got[t, h * hd:(h + 1) * hd], want, rtol=1e-5,
                                            atol=1e-6)
+
+
+@pytest.mark.parametrize("value, want", [
+    (None, {"mma": True}), ("mma", {"mma": True}), ("simt", {}), (" MMA:2x4 ", {
+        "mma": True, "warps": 2, "num_stages": 4})])
+def test_decode_attention_env_options(monkeypatch, value, want):
+    from engine import envs
+
+    if value is None:
+        monkeypatch.delenv("CUTEINFER_DECODE_ATTN", raising=False)
+    else:
+        monkeypatch.setenv("CUTEINFER_DECODE_ATTN", value)
+    assert envs.decode_attention_options() == want
+
+
+@pytest.mark.parametrize("value", ["tc", "mma:4", "mma:ax2", "simt:4"])
+def test_decode_attention_env_rejects(monkeypatch, value):
+    from engine import envs
+
+    monkeypatch.setenv("CUTEINFER_DECODE_ATTN", value)
+    with pytest.raises(ValueError, match="CUTEINFER_DECODE_ATTN"):
+        envs.decode_attention_options()

@@ -1,10 +1,13 @@
-"""Sweep the paged decode attention's ring depth (``num_stages``) and split-KV factor.
+"""Sweep the paged decode attention's main loop, ring depth and split-KV factor.
 
-For each batch, every (stages, splits) pair runs over the same random paged KV (pages in random
+For each batch, every (variant, splits) pair runs over the same random paged KV (pages in random
 order, as a real pool hands them out), timed as a CUDA graph of ``--reps`` launches; GB/s counts
-the K and V bytes read. ``choose_num_splits``'s pick is marked.
+the K and V bytes read. ``choose_num_splits``'s pick is marked. A variant is ``simt:S`` (the
+CUDA-core loop, an S-page ring per CTA) or ``mma:WxS`` (the tensor-core loop, W warps with an
+S-page ring each); ``--stages 4,6`` is short for ``simt:4,simt:6``.
 
-    python -m tools.tune_attention --nq 32 --nkv 8 --batch 8,64,128 --ctx 1024 --stages 4,6,8
+    python -m tools.tune_attention --nq 32 --nkv 8 --batch 1,64,128 --ctx 1024 \
+        --variants simt:4,mma:4x2,mma:4x1,mma:2x2
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hd", type=int, default=128)
     ap.add_argument("--batch", default="8,64,128")
     ap.add_argument("--ctx", type=int, default=1024)
-    ap.add_argument("--stages", default="4,6,8")
+    ap.add_argument("--stages", default=None)
+    ap.add_argument("--variants", default="simt:4,mma:4x2")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    variants = ([f"simt:{s}" for s in args.stages.split(",")] if args.stages
+                else args.variants.split(","))
 
     from cutlass_kernels.decode_attention import (
         choose_num_splits,
@@ -59,8 +65,15 @@ def main(argv: list[str] | None = None) -> None:
         picked = choose_num_splits(batch, nkv, ctx, ctx_obj.num_sms)
         splits_set = sorted({max(1, picked // 2), picked, picked * 2, 1})
         kv_bytes = 2 * batch * ctx * nkv * hd * 2
-        for stages in (int(s) for s in args.stages.split(",")):
-            dec = compile_decode_attention(nq, nkv, hd, num_stages=stages)
+        for variant in variants:
+            kind, _, conf = variant.partition(":")
+            if kind == "mma":
+                warps, stages = (int(x) for x in conf.split("x"))
+                dec = compile_decode_attention(nq, nkv, hd, num_stages=stages, mma=True,
+                                               warps=warps)
+            else:
+                stages = int(conf)
+                dec = compile_decode_attention(nq, nkv, hd, num_stages=stages)
             for splits in splits_set:
                 ws = device_array(max(1, decode_workspace_bytes(batch, nq, hd, splits) // 4),
                                   np.float32)
@@ -76,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
                 us = graph_time_ms(st, lambda launch=launch: [launch() for _ in range(args.reps)],
                                    args.iters) / args.reps * 1e3
                 rec = {"nq": nq, "nkv": nkv, "hd": hd, "batch": batch, "ctx": ctx,
-                       "stages": stages, "splits": splits, "picked": splits == picked,
+                       "variant": variant, "splits": splits, "picked": splits == picked,
                        "us": round(us, 2), "gbs": round(kv_bytes / us / 1e3, 1)}
                 records.append(rec)
                 print(json.dumps(rec), flush=True)

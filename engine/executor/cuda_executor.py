@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream, check
 from engine.executor.base import Executor, ExecutorError
@@ -188,7 +189,8 @@ class CudaExecutor(Executor):
         from cutlass_kernels.decode_plan import choose_num_splits
 
         return choose_num_splits(batch, self.mc.num_key_value_heads, max_context,
-                                 self.ctx.num_sms, self.page_size)
+                                 self.ctx.num_sms, self.page_size,
+                                 mma=envs.decode_attention_options().get("mma", False))
 
     def _workspace_bytes(self) -> int:
         """The split-KV workspace of the largest decode launch: B rows at B's splits, or the

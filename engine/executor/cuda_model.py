@@ -265,7 +265,8 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
         "gate_up": (compile_gemm, (2 * inter, h),
                     {**pdl, **norm, "epilogue": "silu" if on else "store"}),
         "down": (compile_gemm, (h, inter), {**pdl, **res}),
-        "decode": (compile_decode_attention, (nq, nkv, hd, 16), {}),
+        "decode": (compile_decode_attention, (nq, nkv, hd, 16),
+                   envs.decode_attention_options()),
         "sample": (compile_sampler, (v, pad.vocab), {}),  # reads the first v of pad.vocab
         "logprobs": (compile_logprobs, (v,), {"row_stride": pad.vocab}),
         "logits_process": (compile_logits_process, (v, pad.vocab), {}),

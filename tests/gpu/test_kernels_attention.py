@@ -98,6 +98,16 @@ DECODE_CASES = [
 ]
 
 
+# the decode kernel's main loops (decode_attention.py): the CUDA-core one, and the tensor-core
+# one at its default (4 warps, 2 pages a warp) and at the edges of its warps x stages space
+DECODE_VARIANTS = [
+    ("simt", {}),
+    ("mma", {"mma": True}),
+    ("mma_w2_s4", {"mma": True, "warps": 2, "num_stages": 4}),
+    ("mma_w1_s1", {"mma": True, "warps": 1, "num_stages": 1}),
+]
+
+
 def _random_contexts(rng: np.random.Generator, batch: int) -> list[int]:
     """Random contexts in [1, 700), the page edges among them."""
     ctx = [int(c) for c in rng.integers(1, 700, batch)]
@@ -156,9 +166,10 @@ def _decode_once(launcher, bufs, out, ws, batch, stride, num_splits, scale, stre
     return out.download().view(np.uint16).copy()
 
 
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=lambda v: v[0])
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: c[0])
-def test_decode_attention_matches_reference(cuda_ctx, stream, shape, case):
+def test_decode_attention_matches_reference(cuda_ctx, stream, shape, case, variant):
     """Against float64 numpy; then, with splits: every counter back at 0, a second launch on the
     same workspace gives the same bits, and so does the separate combine kernel (fused=False,
     the design the fused combine replaced: same fp32 merge, same order)."""
@@ -172,26 +183,28 @@ def test_decode_attention_matches_reference(cuda_ctx, stream, shape, case):
         ctx_lens = _random_contexts(rng, 64)
     batch = len(ctx_lens)
     kv, bufs, want, scale = _decode_problem(rng, shape, ctx_lens, padding)
-    launcher = compile_decode_attention(nq, nkv, hd)
+    opts = variant[1]
+    launcher = compile_decode_attention(nq, nkv, hd, **opts)
     out = device_array((batch, nq * hd), BF16)
     ws = _workspace(batch, shape, num_splits, stream)
     args = (batch, kv.stride, num_splits, scale, stream)
     first = _decode_once(launcher, bufs, out, ws, *args)
-    what = f"decode {name} splits={num_splits}"
+    what = f"decode {variant[0]} {name} splits={num_splits}"
     _check(first.view(BF16), want, hd, what)
     if ws is None:
         return
     assert not _counters(ws, stream).any(), f"{what}: split counters not reset"
     again = _decode_once(launcher, bufs, out, ws, *args)
     assert np.array_equal(first, again), f"{what}: second launch differs"
-    separate = compile_decode_attention(nq, nkv, hd, fused=False)
+    separate = compile_decode_attention(nq, nkv, hd, fused=False, **opts)
     ws_sep = _workspace(batch, shape, num_splits, stream)
     old = _decode_once(separate, bufs, out, ws_sep, *args)
     diff = np.count_nonzero(first != old)
     assert diff == 0, f"{what}: {diff} outputs differ from the separate combine kernel"
 
 
-def test_decode_workspace_reused_across_plans(cuda_ctx, stream):
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:2], ids=lambda v: v[0])
+def test_decode_workspace_reused_across_plans(cuda_ctx, stream, variant):
     """One workspace, zeroed once, serves launches of other batch sizes and split counts in any
     order (the executor's buckets, mixed and verify steps): the counters sit where no launch
     writes partials, and each launch leaves them at 0."""
@@ -204,7 +217,7 @@ def test_decode_workspace_reused_across_plans(cuda_ctx, stream):
     need = max(decode_workspace_bytes(b, nq, hd, s) for b, s in plans)
     ws = device_array(need // 4, np.float32)
     ws.fill_bytes(0, stream)
-    launcher = compile_decode_attention(nq, nkv, hd)
+    launcher = compile_decode_attention(nq, nkv, hd, **variant[1])
     rng = np.random.default_rng()
     for batch, splits in plans:
         kv, bufs, want, scale = _decode_problem(rng, shape, _random_contexts(rng, batch)
@@ -215,7 +228,8 @@ def test_decode_workspace_reused_across_plans(cuda_ctx, stream):
         assert not _counters(ws, stream).any(), f"B={batch} splits={splits}: counters not reset"
 
 
-def test_decode_graph_replay_matches_eager(cuda_ctx, stream):
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:2], ids=lambda v: v[0])
+def test_decode_graph_replay_matches_eager(cuda_ctx, stream, variant):
     """A captured split launch replayed (the counters it leaves at 0 are the ones the next
     replay starts from) gives the eager launch's bits, whichever CTA finishes last."""
     from cutlass_kernels.decode_attention import compile_decode_attention
@@ -223,7 +237,7 @@ def test_decode_graph_replay_matches_eager(cuda_ctx, stream):
 
     shape = (32, 8, 128)
     nq, nkv, hd = shape
-    launcher = compile_decode_attention(nq, nkv, hd)
+    launcher = compile_decode_attention(nq, nkv, hd, **variant[1])
     rng = np.random.default_rng()
     for ctx_lens, splits in (([1024], 8), ([1, 15, 16, 17, 300], 5), ([3000] * 3, 16)):
         batch = len(ctx_lens)
