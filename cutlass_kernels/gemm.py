@@ -134,6 +134,7 @@ class GemmConfig:
     epilogue: str = "store"  # the skinny kernels' fused epilogue (gemm_skinny.EPILOGUES)
     norm_size: int = 0  # > 0: the skinny kernels fuse an RMSNorm of A's rows (its divisor)
     eps: float = 0.0  # that norm's epsilon
+    fuse_max_rows: int = 1 << 30  # fused skinny kernels serve M <= this; plain ones above
 
     @property
     def fused(self) -> bool:
@@ -155,8 +156,10 @@ class GemmLauncher:
     """
 
     def __init__(self, cfg: GemmConfig, skinny: list[tuple[int, Kernel]], tiled: Kernel,
-                 wide: list[tuple[int, Kernel]] | None = None) -> None:
+                 wide: list[tuple[int, Kernel]] | None = None,
+                 plain: dict[int, Kernel] | None = None) -> None:
         self.cfg = cfg
+        self._plain = plain or {}  # tile_t -> plain skinny kernel (M > cfg.fuse_max_rows)
         self._skinny = skinny  # [(tile_t, kernel)] ascending
         self._tiled = tiled
         self._wide = wide or []  # [(tile_t, kernel)] ascending
@@ -164,7 +167,10 @@ class GemmLauncher:
     def fuses(self, m: int) -> bool:
         """Whether a call of M rows runs the fused skinny kernel (a fused launcher); otherwise
         the caller runs the unfused sequence through ``unfused``."""
-        return self.cfg.fused and self._pick(m)[0] == "skinny"
+        return self._fused_kind(self._pick(m)[0], m)
+
+    def _fused_kind(self, kind: str, m: int) -> bool:
+        return self.cfg.fused and kind == "skinny" and m <= self.cfg.fuse_max_rows
 
     def tile_for(self, m: int) -> int:
         """The token tile (skinny or wide) serving M rows, 0 for the tiled path."""
@@ -194,7 +200,7 @@ class GemmLauncher:
     def compiled(self) -> list[Any]:
         """Every compiled function (to load modules, ``f.to()``, before graph capture)."""
         return ([k.compiled for _, k in self._skinny] + [k.compiled for _, k in self._wide]
-                + [self._tiled.compiled])
+                + [k.compiled for k in self._plain.values()] + [self._tiled.compiled])
 
     def __call__(self, a: Any, w: Any, c: Any, m: int, stream: Any,
                  tile_as: int | None = None) -> None:
@@ -222,13 +228,16 @@ class GemmLauncher:
         if m == 0:
             return
         kind, tile_t, fn = self._pick(m if tile_as is None else tile_as)
-        if self.cfg.fused and fused != (kind == "skinny"):
+        m_eff = m if tile_as is None else tile_as
+        if self.cfg.fused and fused != self._fused_kind(kind, m_eff):
             raise common.KernelArgError(
-                f"m={m}: this fused GEMM runs its {kind} path "
-                f"{'through unfused()' if kind != 'skinny' else 'fused: call it directly'}")
+                f"m={m}: this fused GEMM runs its {kind}{tile_t or ''} path "
+                f"{'fused: call it directly' if fused is False else 'through unfused()'}")
         # The swap-AB kernels index C with Int32; TMA (tiled path) takes 32-bit coordinates.
         if m * self.cfg.k >= 2**31 or (tile_t and m * self.cfg.n >= 2**31):
             raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")
+        if kind == "skinny" and self.cfg.fused and not fused:  # above fuse_max_rows
+            fn = self._plain[tile_t]
         if tile_t:
             fn(a, w, c, m, self.load_rows(a, m, tile_t), stream)
         else:
@@ -303,7 +312,8 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
                  pdl: bool = False, wide_tiles: tuple[int, ...] = (),
                  wide_range: tuple[int, int] = WIDE_RANGE, wide_slab: int | None = None,
                  wide_split_k: int | None = None, epilogue: str = "store",
-                 norm_size: int = 0, eps: float = 0.0) -> GemmLauncher:
+                 norm_size: int = 0, eps: float = 0.0,
+                 fuse_max_rows: int | None = None) -> GemmLauncher:
     """Compile (once per key) the kernels for ``C[M, n] = A[M, k] @ W[n, k]^T``.
 
     crossover: largest M served by the skinny (decode) path; 0 disables it.
@@ -323,6 +333,8 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
         > 0 scales row t of the product by ``rsqrt(sum(A[t]^2) / norm_size + eps)`` (an
         RMSNorm of A whose weight the caller folded into W). The skinny path then runs only
         fused (``launcher(...)``), the other paths plain (``launcher.unfused(...)``).
+    fuse_max_rows: a fused launcher's skinny path serves M above this many rows with plain
+        kernels, through ``unfused`` (default: every skinny M fused).
     """
     tile_n = choose_tile_n(n) if tile_n is None else tile_n
     tiles = tuple(sorted(set(skinny_tiles)))
@@ -343,7 +355,8 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
         wide.append((t, slab, wide_split_k or choose_wide_split(n, k, slab, num_sms)))
     _check_fused(n, k, out_dtype, epilogue, norm_size, skinny)
     cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n, bool(pdl), tuple(wide),
-                     wide_range if wide else WIDE_RANGE, epilogue, int(norm_size), float(eps))
+                     wide_range if wide else WIDE_RANGE, epilogue, int(norm_size), float(eps),
+                     1 << 30 if fuse_max_rows is None else int(fuse_max_rows))
     return common.cached_compile(("gemm", cfg), lambda: _build(cfg))
 
 
@@ -353,7 +366,13 @@ def _build(cfg: GemmConfig) -> GemmLauncher:
     skinny = [(t, skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl,
                                                     cfg.epilogue, cfg.norm_size, cfg.eps)))
               for t, s in cfg.skinny]
+    # a fused launcher's M above fuse_max_rows (up to the crossover): plain kernels of the
+    # tiles that serve those M
+    plain = {t: skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl))
+             for i, (t, s) in enumerate(cfg.skinny)
+             if cfg.fused and cfg.fuse_max_rows < cfg.crossover
+             and (t > cfg.fuse_max_rows or i == len(cfg.skinny) - 1)}
     wide = [(t, skinny_sig.compile(GemmWideSm90(cfg.n, cfg.k, c_dtype, slab, t, s, cfg.pdl)))
             for t, slab, s in cfg.wide]
     tiled = tiled_sig.compile(GemmSm90(cfg.n, cfg.k, c_dtype, tile_n=cfg.tile_n))
-    return GemmLauncher(cfg, skinny, tiled, wide)
+    return GemmLauncher(cfg, skinny, tiled, wide, plain)

@@ -71,6 +71,22 @@ def test_compiles_the_fused_decoder_gemms(model: str) -> None:
     assert not G.compile_gemm(h, q).fuses(1)  # a plain launcher fuses nothing
 
 
+def test_fuse_max_rows_leaves_the_larger_tiles_plain() -> None:
+    """fuse_max_rows=64 (the engine's choice above hidden 2048): tiles 16 / 32 / 64 fused, the
+    64-token tile's M = 65..128 plain through unfused(), like the tiled path."""
+    launcher = G.compile_gemm(2048, 1024, norm_size=1024, eps=1e-6, fuse_max_rows=64,
+                              skinny_tiles=(16, 64))
+    assert all(launcher.fuses(m) for m in (1, 16, 17, 64))
+    assert not any(launcher.fuses(m) for m in (65, 128, 129))
+    assert launcher.path(100) == "skinny64"
+    with pytest.raises(KernelArgError, match="unfused"):
+        launcher(16, 16, 16, 100, None)
+    with pytest.raises(KernelArgError, match="fused"):
+        launcher.unfused(16, 16, 16, 64, None)
+    assert G.compile_gemm(2048, 1024, norm_size=1024, eps=1e-6,
+                          skinny_tiles=(16, 64)) is not launcher
+
+
 def test_fused_gemm_rejects_what_it_cannot_fuse() -> None:
     from cutlass_kernels.gemm_skinny import GemmSkinnySm90
 

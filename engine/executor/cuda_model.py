@@ -254,8 +254,13 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
     v, inter = mc.vocab_size, pad.intermediate
     pdl = {"pdl": envs.pdl_enabled(), **wide_options(envs.gemm_wide_from())}  # GEMM options
     on = envs.fused_layers()
-    norm = {"norm_size": mc.hidden_size if on else 0, "eps": mc.rms_norm_eps if on else 0.0}
-    res = {"epilogue": "residual" if on else "store"}
+    # fused up to 128 rows; at hidden > 2048 only up to the 64-row tile: qwen3-8b at batch 128
+    # ran 11.12 ms unfused vs 11.45 fused (the row squares at two 64-token tiles a slab), while
+    # qwen3-0.6b gains at every M (docs/perf.md v21, v22)
+    fmax = {"fuse_max_rows": 128 if mc.hidden_size <= 2048 else 64}
+    norm = {"norm_size": mc.hidden_size if on else 0, "eps": mc.rms_norm_eps if on else 0.0,
+            **fmax}
+    res = {"epilogue": "residual" if on else "store", **fmax}
     # the slowest first: workers take them in order
     return {
         "prefill": (compile_prefill_attention, (nq, nkv, hd, 16), {}),

@@ -332,6 +332,24 @@ def test_fused_launcher_runs_unfused_above_the_skinny_path(weights, stream, m: i
         launcher.unfused(a, w_dev, c, 16, stream)
 
 
+@pytest.mark.parametrize("m", [65, 100, 128])
+def test_fuse_max_rows_runs_plain_skinny_above_it(weights, stream, m: int) -> None:
+    """fuse_max_rows=64: M = 65..128 runs the plain 64-token skinny kernel via unfused(), equal
+    to numpy; the fused call is refused there."""
+    from cutlass_kernels._common import KernelArgError
+    from graphs.profile import Hooked
+
+    n, k = 6144, 1024
+    w, w_dev = weights(n, k)
+    launcher = compile_gemm(n, k, epilogue="silu", norm_size=1024, eps=1e-6, fuse_max_rows=64)
+    assert not launcher.fuses(m) and launcher.path(m) == "skinny64"
+    plain = Hooked(launcher, lambda fn, *a, **kw: fn.unfused(*a, **kw))
+    _run_and_check(plain, w, w_dev, n, k, m, "bf16", stream)
+    a, c = device_array((m, k), BF16), device_array((m, n), BF16)
+    with pytest.raises(KernelArgError, match="unfused"):
+        launcher(a, w_dev, c, m, stream)
+
+
 def test_fused_bits_repeat_and_equal_the_graph(weights, stream) -> None:
     """The fused norm's sums of squares and the epilogue are in a fixed order: two runs and a
     graph replay give the same bits."""
