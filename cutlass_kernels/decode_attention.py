@@ -26,6 +26,11 @@ and later reads only them, so the main loop needs no block barrier. Each row gro
 of one r) keeps its own online-softmax state (m, l, o[8] per query head); the groups merge through
 shared memory at the end.
 
+Two main loops, chosen at compile time (``mma=``): the one above (CUDA cores, ``simt``) and a
+tensor-core one (``mma``, the engine's default; ``mma_main`` describes it): ``warps`` warps per CTA,
+each streaming pages w, w + warps, ... through its own ``num_stages``-page ring, S and O on
+mma.sync. Both leave (m, l, o) per group in shared memory for the same merge below.
+
 Outputs: num_splits == 1: out bf16[B, nq * hd] directly. num_splits > 1, one kernel (one graph
 node): the workspace (`decode_workspace_bytes`) holds
 
