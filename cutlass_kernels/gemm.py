@@ -227,12 +227,12 @@ class GemmLauncher:
             raise common.KernelArgError(f"tile_as must be a positive int, got {tile_as!r}")
         if m == 0:
             return
-        kind, tile_t, fn = self._pick(m if tile_as is None else tile_as)
         m_eff = m if tile_as is None else tile_as
+        kind, tile_t, fn = self._pick(m_eff)
         if self.cfg.fused and fused != self._fused_kind(kind, m_eff):
             raise common.KernelArgError(
                 f"m={m}: this fused GEMM runs its {kind}{tile_t or ''} path "
-                f"{'fused: call it directly' if fused is False else 'through unfused()'}")
+                f"{'through unfused()' if fused else 'fused: call it directly'}")
         # The swap-AB kernels index C with Int32; TMA (tiled path) takes 32-bit coordinates.
         if m * self.cfg.k >= 2**31 or (tile_t and m * self.cfg.n >= 2**31):
             raise common.KernelArgError(f"m={m}: M x K or M x N passes 2^31 elements")

@@ -12,6 +12,7 @@ is made and the weights upload; the thread is joined before the first launch (gr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -189,8 +190,13 @@ class CudaExecutor(Executor):
         from cutlass_kernels.decode_plan import choose_num_splits
 
         return choose_num_splits(batch, self.mc.num_key_value_heads, max_context,
-                                 self.ctx.num_sms, self.page_size,
-                                 mma=envs.decode_attention_options().get("mma", False))
+                                 self.ctx.num_sms, self.page_size, mma=self._attention_mma)
+
+    @functools.cached_property
+    def _attention_mma(self) -> bool:
+        """Whether decode attention runs its tensor-core loop (read once: every step's split
+        plan and the memory plan must agree with the kernel cuda_model compiled)."""
+        return bool(envs.decode_attention_options().get("mma", False))
 
     def _workspace_bytes(self) -> int:
         """The split-KV workspace of the largest decode launch: B rows at B's splits, or the
