@@ -86,7 +86,7 @@ MMA_ROWS = 16  # the mma variant's S tile rows: the G <= 8 query heads of a kv h
 class DecodeAttention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
                  split: bool = False, num_stages: int = DEFAULT_STAGES, fused: bool = True,
-                 mma: bool = False, warps: int = 4):
+                 mma: bool = False, warps: int = 4, pdl: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if page_size != 16:
@@ -104,6 +104,7 @@ class DecodeAttention:
         self.stages = num_stages
         self.chunks = head_dim // 8  # 16-byte chunks per token row = threads per row group
         self.mma = mma
+        self.pdl = bool(pdl)
         if mma:
             # `warps` warps, each with its own ring of `num_stages` pages; the warps are the
             # merge's groups
@@ -193,7 +194,7 @@ class DecodeAttention:
                     num_splits, scale * LOG2_E, copy_atom, SharedStorage, sQ_layout,
                     ring_layout, g2s_warp, g2s_cta, mma_s, mma_o).launch(
             grid=[self.nkv, num_splits, batch], block=[self.threads, 1, 1],
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+            smem=SharedStorage.size_in_bytes(), stream=stream, use_pdl=self.pdl)
         if cutlass.const_expr(self.split and not self.fused):
             units = batch * nq
             vpl = hd // 32  # combine: lane owns dims [lane * vpl, lane * vpl + vpl)
@@ -251,6 +252,18 @@ class DecodeAttention:
                           ring_layout, g2s_warp, g2s_cta, mma_s, mma_o, b, kvh, ctx, p_begin,
                           n_iter, scale_log2, tidx)
         else:
+            # cp.async ring: group g <-> page p_begin + g. The ring's first page indices are
+            # loaded together, unpredicated (clamped to a valid column, also for an empty split),
+            # so their latencies overlap instead of chaining before each issue; later ones are
+            # loaded one iteration ahead, so their latency hides behind a page of compute.
+            # Loaded before griddepcontrol.wait (PDL): host uploads, not the previous kernel's.
+            last_col = cutlass.max(n_pages - 1, 0)
+            rPg = cute.make_rmem_tensor(self.stages, cutlass.Int32)
+            for s in cutlass.range_constexpr(self.stages):
+                rPg[s] = mPT[b, cutlass.min(p_begin + s, last_col)]
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()
+
             # ---- q for the G heads of this kv head, pre-scaled into log2 units
             rQ = cute.make_rmem_tensor((G, 8), f32)
             for h in cutlass.range_constexpr(G):
@@ -266,14 +279,6 @@ class DecodeAttention:
             rAcc.fill(0.0)
             rS = cute.make_rmem_tensor((G, self.passes), f32)
 
-            # cp.async ring: group g <-> page p_begin + g. The ring's first page indices are
-            # loaded together, unpredicated (clamped to a valid column, also for an empty split),
-            # so their latencies overlap instead of chaining before each issue; later ones are
-            # loaded one iteration ahead, so their latency hides behind a page of compute.
-            last_col = cutlass.max(n_pages - 1, 0)
-            rPg = cute.make_rmem_tensor(self.stages, cutlass.Int32)
-            for s in cutlass.range_constexpr(self.stages):
-                rPg[s] = mPT[b, cutlass.min(p_begin + s, last_col)]
             for s in cutlass.range_constexpr(self.stages - 1):
                 if s < n_iter:
                     self.issue(k_cache, v_cache, sK, sV, copy_atom, rPg[s], kvh, r, c, s)
@@ -406,6 +411,16 @@ class DecodeAttention:
         sVt_all = cute.composition(sV_all, cute.make_layout((hd, ps, W * S),
                                                             stride=(ps, 1, ps * hd)))
 
+        # ---- this warp's page indices: local index warp_i + W * j of the split (host uploads:
+        # loaded before griddepcontrol.wait under PDL, their latency behind the previous kernel)
+        n_w = (n_iter - warp_i + W - 1) // W
+        last_col = cutlass.max((ctx + ps - 1) // ps - 1, 0)  # a valid column, also when empty
+        rPg = cute.make_rmem_tensor(S, cutlass.Int32)
+        for s in cutlass.range_constexpr(S):
+            rPg[s] = mPT[b, cutlass.min(p_begin + warp_i + W * s, last_col)]
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # q and the new token's K / V are the rope's
+
         # ---- Q: rows h < G <- q[b, kvh * G + h], rows G.. zero (issued first, waited below)
         thr_q = g2s_cta.get_slice(tidx)
         q_off = cute.assume((b * self.nq + kvh * G) * hd, divby=hd)
@@ -421,14 +436,9 @@ class DecodeAttention:
                 tQs[None, mi, None].fill(0)
         cute.arch.cp_async_commit_group()
 
-        # ---- this warp's pages: local index warp_i + W * j of the split
-        n_w = (n_iter - warp_i + W - 1) // W
+        # ---- this warp's pages
         thr_kv = g2s_warp.get_slice(lane)
         tPc = thr_kv.partition_S(cute.make_identity_tensor((ps, hd)))
-        last_col = cutlass.max((ctx + ps - 1) // ps - 1, 0)  # a valid column, also when empty
-        rPg = cute.make_rmem_tensor(S, cutlass.Int32)
-        for s in cutlass.range_constexpr(S):
-            rPg[s] = mPT[b, cutlass.min(p_begin + warp_i + W * s, last_col)]
         for s in cutlass.range_constexpr(S - 1):
             if s < n_w:
                 self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg[s],
@@ -733,33 +743,35 @@ class DecodeAttentionLauncher:
 
 def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool,
              num_stages: int, fused: bool = True, mma: bool = False,
-             warps: int = 4) -> _common.Kernel:
+             warps: int = 4, pdl: bool = False) -> _common.Kernel:
     op = DecodeAttention(nq, nkv, head_dim, page_size, split=split, num_stages=num_stages,
-                         fused=fused, mma=mma, warps=warps)
+                         fused=fused, mma=mma, warps=warps, pdl=pdl)
     return SIGNATURE.compile(op)
 
 
 def compile_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
                              page_size: int = 16, num_stages: int | None = None,
                              fused: bool = True, mma: bool = False,
-                             warps: int = 4) -> DecodeAttentionLauncher:
+                             warps: int = 4, pdl: bool = False) -> DecodeAttentionLauncher:
     """Compile (once per shape) the single-split and the split variants.
     ``num_stages``: pages in the cp.async ring (``num_stages - 1`` in flight per CTA; mma: per
     warp, default MMA_STAGES). ``fused=False``: the split variant as two kernels (partials, then
     a combine kernel), the design the fused one replaced, for comparison (same bits, one more
-    graph node). ``mma``: the tensor-core main loop with ``warps`` warps per CTA."""
+    graph node). ``mma``: the tensor-core main loop with ``warps`` warps per CTA. ``pdl``:
+    launched with programmatic dependent launch; the context length and the first page indices
+    are read before ``griddepcontrol.wait`` (host uploads), q and every K / V page after it."""
     if num_stages is None:
         num_stages = MMA_STAGES if mma else DEFAULT_STAGES
     lo = 1 if mma else 2
     if not lo <= num_stages <= (8 if mma else 16):
         raise ValueError(f"num_stages must be in [{lo}, {8 if mma else 16}], got {num_stages}")
     key = ("decode_attention", num_q_heads, num_kv_heads, head_dim, page_size, num_stages,
-           fused) + ((("mma", warps),) if mma else ())
+           fused) + ((("mma", warps),) if mma else ()) + (("pdl",) if pdl else ())
 
     def build() -> DecodeAttentionLauncher:
         args = (num_q_heads, num_kv_heads, head_dim, page_size)
         return DecodeAttentionLauncher(
-            *args, _compile(*args, False, num_stages, mma=mma, warps=warps),
-            _compile(*args, True, num_stages, fused, mma=mma, warps=warps))
+            *args, _compile(*args, False, num_stages, mma=mma, warps=warps, pdl=pdl),
+            _compile(*args, True, num_stages, fused, mma=mma, warps=warps, pdl=pdl))
 
     return _common.cached_compile(key, build)

@@ -40,11 +40,12 @@ VEC = 8
 
 class RopeKV:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, pdl: bool = False) -> None:
         if head_dim % 16:
             raise ValueError(f"head_dim={head_dim} must be a multiple of 16")
         self.nq, self.nkv, self.hd, self.ps = num_q_heads, num_kv_heads, head_dim, page_size
         self.qk_norm = qk_norm
+        self.pdl = bool(pdl)
         self.tpu = head_dim // 16  # lanes per head: a power of two dividing 32 for d <= 512
         if 32 % self.tpu:
             raise ValueError(f"head_dim={head_dim}: head_dim / 16 must divide 32")
@@ -71,12 +72,15 @@ class RopeKV:
         mPos = cute.make_tensor(positions, cute.make_layout(num_tokens))
         mSlot = cute.make_tensor(slot_mapping, cute.make_layout(num_tokens))
         self.kernel(mQKV, mPos, mSlot, mWq, mWk, mCS, q_out, k_cache, v_cache, max_pos, eps).launch(
-            grid=[num_tokens, self.ctas_per_token, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[num_tokens, self.ctas_per_token, 1], block=[self.threads, 1, 1], stream=stream,
+            use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mQKV: cute.Tensor, mPos: cute.Tensor, mSlot: cute.Tensor, mWq: cute.Tensor,
                mWk: cute.Tensor, mCS: cute.Tensor, q_out: cute.Pointer, k_cache: cute.Pointer,
                v_cache: cute.Pointer, max_pos: Int32, eps: Float32):
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         tidx, _, _ = cute.arch.thread_idx()
         t, cta, _ = cute.arch.block_idx()
         lane = cta * self.threads + tidx
@@ -84,6 +88,25 @@ class RopeKV:
         j = lane % self.tpu
         valid = u < self.units
         u = u if valid else self.units - 1  # spare lanes load a real head, store nothing
+
+        # Before griddepcontrol.wait (PDL): what the previous kernel does not write (positions,
+        # slots: host uploads; the cos/sin table and the norm weights); qkv after it.
+        pos = mPos[t]
+        pos = pos if pos >= 0 else 0
+        pos = pos if pos < max_pos else max_pos - 1
+        c = mCS[pos, 0, j, None].load().to(BFloat16).to(Float32)
+        s = mCS[pos, 1, j, None].load().to(BFloat16).to(Float32)
+        slot = mSlot[t]
+        rW = cute.make_rmem_tensor(cute.make_layout((VEC, 2), stride=(1, VEC)), Float32)
+        if cutlass.const_expr(self.qk_norm):
+            if u < self.nq:
+                rW[None, 0].store(mWq[0, j, None].load().to(Float32))
+                rW[None, 1].store(mWq[1, j, None].load().to(Float32))
+            else:
+                rW[None, 0].store(mWk[0, j, None].load().to(Float32))
+                rW[None, 1].store(mWk[1, j, None].load().to(Float32))
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()
 
         x1b = mQKV[t, u, 0, j, None].load()
         x2b = mQKV[t, u, 1, j, None].load()
@@ -95,23 +118,11 @@ class RopeKV:
             # every lane takes part (spare lanes too): the butterfly stays in its d/16-lane group
             ss = cute.arch.warp_reduction(ss, lambda a, b: a + b, threads_in_group=self.tpu)
             rstd = cute.math.rsqrt(ss / Float32(self.hd) + eps)
-            rW = cute.make_rmem_tensor(cute.make_layout((VEC, 2), stride=(1, VEC)), Float32)
-            if u < self.nq:
-                rW[None, 0].store(mWq[0, j, None].load().to(Float32))
-                rW[None, 1].store(mWq[1, j, None].load().to(Float32))
-            else:
-                rW[None, 0].store(mWk[0, j, None].load().to(Float32))
-                rW[None, 1].store(mWk[1, j, None].load().to(Float32))
             x1 = (x1 * rstd).to(BFloat16).to(Float32) * rW[None, 0].load()
             x2 = (x2 * rstd).to(BFloat16).to(Float32) * rW[None, 1].load()
             x1 = x1.to(BFloat16).to(Float32)
             x2 = x2.to(BFloat16).to(Float32)
 
-        pos = mPos[t]
-        pos = pos if pos >= 0 else 0
-        pos = pos if pos < max_pos else max_pos - 1
-        c = mCS[pos, 0, j, None].load().to(BFloat16).to(Float32)
-        s = mCS[pos, 1, j, None].load().to(BFloat16).to(Float32)
         o1 = ((x1 * c).to(BFloat16).to(Float32) - (x2 * s).to(BFloat16).to(Float32))
         o2 = ((x2 * c).to(BFloat16).to(Float32) + (x1 * s).to(BFloat16).to(Float32))
         o1b = o1.to(BFloat16)
@@ -122,7 +133,6 @@ class RopeKV:
         rOut = cute.make_rmem_tensor(cute.make_layout((VEC, 2), stride=(1, VEC)), BFloat16)
         rOut[None, 0].store(o1b)
         rOut[None, 1].store(o2b)
-        slot = mSlot[t]
         page = slot // Int64(self.ps)
         off = slot - page * Int64(self.ps)
         h = u - self.nq
@@ -195,12 +205,16 @@ class RopeKVLauncher:
 
 
 def compile_rope_kv(num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
-                    qk_norm: bool = True) -> RopeKVLauncher:
-    """Compile (once per head counts, head_dim, page_size, qk_norm) the q/k-norm+RoPE+KV kernel."""
-    key = ("rope_kv", num_q_heads, num_kv_heads, head_dim, page_size, bool(qk_norm))
+                    qk_norm: bool = True, pdl: bool = False) -> RopeKVLauncher:
+    """Compile (once per head counts, head_dim, page_size, qk_norm, pdl) the q/k-norm+RoPE+KV
+    kernel. ``pdl``: launched with programmatic dependent launch; it lets its successor launch
+    first thing and reads the positions, slots, cos/sin and norm weights before
+    ``griddepcontrol.wait``, qkv after it (the bits are the same)."""
+    key = ("rope_kv", num_q_heads, num_kv_heads, head_dim, page_size, bool(qk_norm)) + (
+        ("pdl",) if pdl else ())
 
     def build() -> RopeKVLauncher:
-        op = RopeKV(num_q_heads, num_kv_heads, head_dim, page_size, bool(qk_norm))
+        op = RopeKV(num_q_heads, num_kv_heads, head_dim, page_size, bool(qk_norm), bool(pdl))
         return RopeKVLauncher(SIGNATURE.compile(op))
 
     return common.cached_compile(key, build)

@@ -79,13 +79,23 @@ def qwen3_tokenizer_override() -> Path | None:
     return _path("CUTEINFER_QWEN3_TOKENIZER")
 
 
+def _pdl_value() -> str:
+    value = os.environ.get("CUTEINFER_PDL", "1").strip().lower()
+    if value not in ("0", "1", "true", "false", "on", "off", "", "gemm"):
+        raise ValueError(f"CUTEINFER_PDL must be 0, 1 or gemm, got {value!r}")
+    return value
+
+
 def pdl_enabled() -> bool:
     """Programmatic dependent launch for the decode GEMMs (``CUTEINFER_PDL``, default on since
     the fused layer runs its GEMMs back to back: docs/perf.md v21; 0 turns it off)."""
-    value = os.environ.get("CUTEINFER_PDL", "1").strip().lower()
-    if value not in ("0", "1", "true", "false", "on", "off", ""):
-        raise ValueError(f"CUTEINFER_PDL must be 0 or 1, got {value!r}")
-    return value in ("1", "true", "on", "")
+    return _pdl_value() in ("1", "true", "on", "", "gemm")
+
+
+def pdl_attention() -> bool:
+    """PDL for the rope / KV-write kernel and the decode attention too (``CUTEINFER_PDL`` 1,
+    the default since docs/perf.md v23; ``gemm``: the GEMMs only, as before)."""
+    return _pdl_value() in ("1", "true", "on", "")
 
 
 def fused_layers() -> bool:

@@ -55,6 +55,21 @@ def test_decode_attention_mma_ptx(tmp_path, monkeypatch, shape):
     assert not re.search(r"\b(ld|st)\.local", ptx)
 
 
+@pytest.mark.parametrize("mma", [False, True])
+def test_decode_attention_pdl_ptx(tmp_path, monkeypatch, mma):
+    """pdl=True: the kernel lets its successor launch first thing, reads the context length and
+    page indices (host uploads) before griddepcontrol.wait, and issues no cp.async (q, K / V)
+    before it; pdl=False has neither instruction."""
+    ptx = _decode_ptx(tmp_path, monkeypatch, (32, 8, 128), fused=True, mma=mma, pdl=True)
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
+    assert "ld.global" in ptx[:wait] and "cp.async" not in ptx[:wait]
+    plain = _decode_ptx(tmp_path, monkeypatch, (32, 8, 128), fused=True, mma=mma)
+    assert "griddepcontrol.wait" not in plain
+
+
 def _decode_ptx(tmp_path, monkeypatch, shape, fused: bool, **opts) -> str:
     import cutlass
     import cutlass.cute as cute
@@ -264,3 +279,26 @@ def test_decode_attention_env_rejects(monkeypatch, value):
     monkeypatch.setenv("CUTEINFER_DECODE_ATTN", value)
     with pytest.raises(ValueError, match="CUTEINFER_DECODE_ATTN"):
         envs.decode_attention_options()
+
+
+@pytest.mark.parametrize("value, gemm, attention", [
+    (None, True, True), ("1", True, True), ("on", True, True), ("gemm", True, False),
+    ("0", False, False), ("off", False, False)])
+def test_pdl_env(monkeypatch, value, gemm, attention):
+    """CUTEINFER_PDL: 1 (default) the GEMMs, rope and decode attention; gemm: the GEMMs only
+    (v22's configuration, to measure against); 0: none."""
+    from engine import envs
+
+    if value is None:
+        monkeypatch.delenv("CUTEINFER_PDL", raising=False)
+    else:
+        monkeypatch.setenv("CUTEINFER_PDL", value)
+    assert (envs.pdl_enabled(), envs.pdl_attention()) == (gemm, attention)
+
+
+def test_pdl_env_rejects(monkeypatch):
+    from engine import envs
+
+    monkeypatch.setenv("CUTEINFER_PDL", "rope")
+    with pytest.raises(ValueError, match="CUTEINFER_PDL"):
+        envs.pdl_attention()

@@ -85,6 +85,26 @@ def test_rope_kv_compiles(shape):
     assert compile_rope_kv(nq, nkv, hd, 16, qk) is compile_rope_kv(nq, nkv, hd, 16, qk)
 
 
+def test_rope_kv_pdl_ptx(tmp_path, monkeypatch):
+    """pdl=True: successors may launch at once; positions, slots, cos/sin and the norm weights
+    are read before griddepcontrol.wait, qkv after it (its loads are the b16 vectors), and every
+    store after it."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutlass_kernels.rope_kv import SIGNATURE, RopeKV, compile_rope_kv
+
+    assert compile_rope_kv(32, 8, 128, 16, True, pdl=True) is not compile_rope_kv(32, 8, 128,
+                                                                                16, True)
+    monkeypatch.setattr(cutlass.base_dsl.BaseDSL._get_dsl().envar, "dump_dir", str(tmp_path))
+    ptx = cute.compile(RopeKV(32, 8, 128, 16, True, pdl=True), *SIGNATURE.fake_args(),
+                       options="--keep-ptx").__ptx__
+    assert ptx.count("griddepcontrol.wait") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.index("griddepcontrol.launch_dependents") < wait
+    assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait]
+
+
 @pytest.mark.parametrize("vocab", VOCAB)
 def test_sampling_compiles(vocab):
     from cutlass_kernels.sampling import compile_logprobs, compile_sampler

@@ -271,12 +271,12 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
                     {**pdl, **norm, "epilogue": "silu" if on else "store"}),
         "down": (compile_gemm, (h, inter), {**pdl, **res}),
         "decode": (compile_decode_attention, (nq, nkv, hd, 16),
-                   envs.decode_attention_options()),
+                   {**envs.decode_attention_options(), "pdl": envs.pdl_attention()}),
         "sample": (compile_sampler, (v, pad.vocab), {}),  # reads the first v of pad.vocab
         "logprobs": (compile_logprobs, (v,), {"row_stride": pad.vocab}),
         "logits_process": (compile_logits_process, (v, pad.vocab), {}),
         "count_tokens": (compile_count_tokens, (v,), {}),
-        "rope": (compile_rope_kv, (nq, nkv, hd, 16, mc.qk_norm), {}),
+        "rope": (compile_rope_kv, (nq, nkv, hd, 16, mc.qk_norm), {"pdl": envs.pdl_attention()}),
         "embed": (compile_embedding, (h,), {}),
         # bf16 rows of width h too: the compile cache hands back the embed kernel itself
         "gather_rows": (compile_embedding, (h,), {}),

@@ -203,6 +203,74 @@ def test_decode_attention_matches_reference(cuda_ctx, stream, shape, case, varia
     assert diff == 0, f"{what}: {diff} outputs differ from the separate combine kernel"
 
 
+# (shape, contexts, splits): one split, splits with empty ones, qwen3-8b's batch-1 plan
+PDL_CASES = [((32, 8, 128), [1024], 16), ((16, 8, 128), None, 1),
+             ((32, 8, 128), [1, 15, 16, 17, 300], 5), ((8, 2, 64), [40, 3000, 16], 3)]
+
+
+@pytest.mark.parametrize("variant", DECODE_VARIANTS[:2], ids=lambda v: v[0])
+@pytest.mark.parametrize("case", PDL_CASES, ids=lambda c: f"{c[0][0]}q{c[0][1]}kv_s{c[2]}")
+def test_pdl_rope_then_decode_waits_for_their_inputs(cuda_ctx, stream, variant, case):
+    """The engine's chain with programmatic dependent launch: a row gather writes qkv (NaN
+    before it each round), the rope kernel (pdl) writes q and the new token's K / V into its
+    slot (NaN at first), the decode attention (pdl) reads them. Both read their host-written
+    inputs before ``griddepcontrol.wait``; the bits must equal the same chain without PDL on a
+    second copy of the caches, four rounds with fresh qkv (a read of the last round's q or
+    K / V differs), and be finite."""
+    from cutlass_kernels.decode_attention import compile_decode_attention
+    from cutlass_kernels.embedding import compile_embedding
+    from cutlass_kernels.rope_kv import compile_rope_kv
+    from engine.cuda.driver import device_array, to_device
+    from tests.kernel_refs import ref_cos_sin
+
+    shape, ctx_lens, splits = case
+    nq, nkv, hd = shape
+    rng = np.random.default_rng()
+    if ctx_lens is None:
+        ctx_lens = _random_contexts(rng, 64)
+    batch, width, max_pos = len(ctx_lens), (nq + 2 * nkv) * hd, 4096
+    kv = PagedKV(rng, ctx_lens, nkv, hd)
+    ctx = kv.ctx
+    pos = (ctx - 1).astype(np.int32)
+    slots = (kv.table[np.arange(batch), pos // PAGE].astype(np.int64) * PAGE + pos % PAGE)
+    for cache in (kv.k, kv.v):  # the new token's slot: the rope must write it first
+        cache.reshape(-1, nkv, hd)[slots.reshape(-1, 1), np.arange(nkv)] = np.nan
+    rows = 300
+    table = (2.0 * rng.standard_normal((rows, width))).astype(BF16)
+    qw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(BF16)
+    kw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(BF16)
+    common = [to_device(a) for a in (pos, slots, qw, kw, ref_cos_sin(max_pos, hd, 1e6))]
+    dev_table, dev_pt, dev_ctx = to_device(table), to_device(kv.table), to_device(kv.ctx)
+    gather = compile_embedding(width)
+    chains = []
+    for pdl in (True, False):
+        chains.append(dict(
+            rope=compile_rope_kv(nq, nkv, hd, PAGE, True, pdl=pdl),
+            attn=compile_decode_attention(nq, nkv, hd, pdl=pdl, **variant[1]),
+            qkv=device_array((batch, width), BF16), q=device_array((batch, nq * hd), BF16),
+            k=to_device(kv.k), v=to_device(kv.v), out=device_array((batch, nq * hd), BF16),
+            ws=_workspace(batch, shape, splits, stream)))
+    scale = hd ** -0.5
+    for rnd in range(4):
+        ids = to_device(rng.integers(0, rows, batch).astype(np.int32))
+        got = []
+        for c in chains:
+            c["qkv"].fill_bytes(0xFF, stream)
+            c["q"].fill_bytes(0xFF, stream)
+            c["out"].fill_bytes(0xFF, stream)
+            gather(ids, dev_table, c["qkv"], rows, batch, stream)
+            c["rope"](c["qkv"], *common[:2], *common[2:4], common[4], c["q"], c["k"], c["v"],
+                      batch, max_pos, 1e-6, stream)
+            c["attn"](c["q"], c["k"], c["v"], dev_pt, dev_ctx, c["out"], c["ws"], batch,
+                      kv.stride, splits, scale, stream.handle)
+            stream.synchronize()
+            got.append(c["out"].download().view(np.uint16).copy())
+        what = f"pdl chain {variant[0]} {shape} B={batch} splits={splits} round={rnd}"
+        assert np.isfinite(got[0].view(BF16).astype(np.float32)).all(), f"{what}: non-finite"
+        diff = np.count_nonzero(got[0] != got[1])
+        assert diff == 0, f"{what}: {diff} outputs differ from the chain without PDL"
+
+
 @pytest.mark.parametrize("variant", DECODE_VARIANTS[:2], ids=lambda v: v[0])
 def test_decode_workspace_reused_across_plans(cuda_ctx, stream, variant):
     """One workspace, zeroed once, serves launches of other batch sizes and split counts in any
