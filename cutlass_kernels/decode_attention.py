@@ -66,6 +66,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from cutlass_kernels._common import Ptr, Scalar, Signature, Unused
 from cutlass_kernels._mma import mn_view, quad_max, quad_sum, swizzled_rows
+from cutlass_kernels.rope_kv import norm_rope
 from cutlass_kernels.decode_plan import (  # noqa: F401  (re-exported: the plan's home)
     MAX_SPLITS,
     MIN_PAGES_PER_SPLIT,
@@ -86,7 +87,8 @@ MMA_ROWS = 16  # the mma variant's S tile rows: the G <= 8 query heads of a kv h
 class DecodeAttention:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
                  split: bool = False, num_stages: int = DEFAULT_STAGES, fused: bool = True,
-                 mma: bool = False, warps: int = 4, pdl: bool = False):
+                 mma: bool = False, warps: int = 4, pdl: bool = False, rope: bool = False,
+                 qk_norm: bool = False):
         if head_dim not in (64, 128):
             raise ValueError(f"head_dim must be 64 or 128, got {head_dim}")
         if page_size != 16:
@@ -105,6 +107,14 @@ class DecodeAttention:
         self.chunks = head_dim // 8  # 16-byte chunks per token row = threads per row group
         self.mma = mma
         self.pdl = bool(pdl)
+        # rope: the q / k RMSNorm, RoPE and KV-cache write of rope_kv.py in the prologue
+        # (DecodeRopeAttention); one lane per (head, 8 + 8 elements) of G q heads, k and v
+        self.rope, self.qk_norm = bool(rope), bool(qk_norm)
+        self.tpu = head_dim // 16
+        if rope and (not mma or 32 * warps < (self.group + 2) * self.tpu):
+            raise ValueError(f"rope needs the mma loop with 32 * warps >= (G + 2) * hd / 16 = "
+                             f"{(self.group + 2) * self.tpu} threads, got mma={mma}, "
+                             f"warps={warps}")
         if mma:
             # `warps` warps, each with its own ring of `num_stages` pages; the warps are the
             # merge's groups
@@ -132,6 +142,14 @@ class DecodeAttention:
                  workspace: cute.Pointer, counters: cute.Pointer, batch: cutlass.Int32,
                  page_stride: cutlass.Int32, num_splits: cutlass.Int32, scale: cutlass.Float32,
                  stream: cuda.CUstream):
+        self._launch(q, k_cache, v_cache, page_indices, context_lens, out, workspace, counters,
+                     batch, page_stride, num_splits, scale, stream, None)
+
+    def _launch(self, q, k_cache, v_cache, page_indices, context_lens, out, workspace, counters,
+                batch, page_stride, num_splits, scale, stream, rope):
+        """The host side of both signatures (traced inside their @cute.jit ``__call__``).
+        ``rope``: None, or (qkv, positions, slot_mapping, q_norm_w, k_norm_w, cos_sin, max_pos,
+        eps) of DecodeRopeAttention; then ``q`` is qkv (never read as q)."""
         nq, hd, ch = self.nq, self.hd, self.chunks
         # (b, qh, chunk, 8) views of q and out: 16-byte vectors per (row, chunk)
         mQ = cute.make_tensor(q, cute.make_layout((batch, nq, ch, 8),
@@ -190,9 +208,27 @@ class DecodeAttention:
                 cute.struct.MemRange[cutlass.Float32, self.rows * self.group * 2], 16]
             sFlag: cute.struct.Align[cute.struct.MemRange[cutlass.Int32, 4], 16]
 
+        if rope is None:  # placeholders, dead under const_expr(self.rope)
+            mQKV, mPos, mSlot, mWq, mWk, mCS = mQ, mCtx, mCtx, mQ, mQ, mQ
+            max_pos, eps = cutlass.Int32(1), cutlass.Float32(0.0)
+        else:
+            qkv, positions, slot_mapping, q_norm_w, k_norm_w, cos_sin, max_pos, eps = rope
+            half, tpu = hd // 2, self.tpu
+            units = nq + 2 * self.nkv
+            # (row, head, half, lane, 8) as rope_kv.py
+            mQKV = cute.make_tensor(qkv, cute.make_layout((batch, units, 2, tpu, 8),
+                                                          stride=(units * hd, hd, half, 8, 1)))
+            mCS = cute.make_tensor(cos_sin, cute.make_layout((max_pos, 2, tpu, 8),
+                                                             stride=(hd, half, 8, 1)))
+            wl = cute.make_layout((2, tpu, 8), stride=(half, 8, 1))
+            mWq = cute.make_tensor(q_norm_w, wl)
+            mWk = cute.make_tensor(k_norm_w, wl)
+            mPos = cute.make_tensor(positions, cute.make_layout(batch))
+            mSlot = cute.make_tensor(slot_mapping, cute.make_layout(batch))
         self.kernel(mQ, k_cache, v_cache, mPT, mCtx, mO, mWo, mWml, mCnt, mWo4, mO4,
                     num_splits, scale * LOG2_E, copy_atom, SharedStorage, sQ_layout,
-                    ring_layout, g2s_warp, g2s_cta, mma_s, mma_o).launch(
+                    ring_layout, g2s_warp, g2s_cta, mma_s, mma_o, mQKV, mPos, mSlot, mWq, mWk,
+                    mCS, max_pos, eps).launch(
             grid=[self.nkv, num_splits, batch], block=[self.threads, 1, 1],
             smem=SharedStorage.size_in_bytes(), stream=stream, use_pdl=self.pdl)
         if cutlass.const_expr(self.split and not self.fused):
@@ -215,7 +251,9 @@ class DecodeAttention:
                copy_atom: cute.CopyAtom, SharedStorage: cutlass.Constexpr,
                sQ_layout: cute.ComposedLayout, ring_layout: cute.ComposedLayout,
                g2s_warp: cute.TiledCopy, g2s_cta: cute.TiledCopy, mma_s: cute.TiledMma,
-               mma_o: cute.TiledMma):
+               mma_o: cute.TiledMma, mQKV: cute.Tensor, mPos: cute.Tensor, mSlot: cute.Tensor,
+               mWq: cute.Tensor, mWk: cute.Tensor, mCS: cute.Tensor, max_pos: cutlass.Int32,
+               eps: cutlass.Float32):
         cute.arch.griddepcontrol_launch_dependents()  # PDL (gemm_skinny.py)
         G, ch, rows, ps, hd = self.group, self.chunks, self.rows, self.ps, self.hd
         f32 = cutlass.Float32
@@ -250,7 +288,8 @@ class DecodeAttention:
         if cutlass.const_expr(self.mma):
             self.mma_main(mQ, k_cache, v_cache, mPT, sKV, storage.sQ, sAcc, sML, sQ_layout,
                           ring_layout, g2s_warp, g2s_cta, mma_s, mma_o, b, kvh, ctx, p_begin,
-                          n_iter, scale_log2, tidx)
+                          n_iter, scale_log2, tidx, mQKV, mPos, mSlot, mWq, mWk, mCS, max_pos,
+                          eps)
         else:
             # cp.async ring: group g <-> page p_begin + g. The ring's first page indices are
             # loaded together, unpredicated (clamped to a valid column, also for an empty split),
@@ -386,7 +425,9 @@ class DecodeAttention:
                  g2s_cta: cute.TiledCopy, mma_s: cute.TiledMma, mma_o: cute.TiledMma,
                  b: cutlass.Int32, kvh: cutlass.Int32, ctx: cutlass.Int32,
                  p_begin: cutlass.Int32, n_iter: cutlass.Int32, scale_log2: cutlass.Float32,
-                 tidx: cutlass.Int32):
+                 tidx: cutlass.Int32, mQKV: cute.Tensor, mPos: cute.Tensor, mSlot: cute.Tensor,
+                 mWq: cute.Tensor, mWk: cute.Tensor, mCS: cute.Tensor, max_pos: cutlass.Int32,
+                 eps: cutlass.Float32):
         """The tensor-core main loop: warp w takes the split's pages w, w + W, ... through its
         own cp.async ring (no block barrier in the loop) and keeps an online softmax for the
         G heads; on exit sAcc[w] / sML[w] hold its unnormalized O, max (log2 units) and sum.
@@ -418,32 +459,107 @@ class DecodeAttention:
         rPg = cute.make_rmem_tensor(S, cutlass.Int32)
         for s in cutlass.range_constexpr(S):
             rPg[s] = mPT[b, cutlass.min(p_begin + warp_i + W * s, last_col)]
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # q and the new token's K / V are the rope's
-
-        # ---- Q: rows h < G <- q[b, kvh * G + h], rows G.. zero (issued first, waited below)
-        thr_q = g2s_cta.get_slice(tidx)
-        q_off = cute.assume((b * self.nq + kvh * G) * hd, divby=hd)
-        gQ = cute.make_tensor(mQ.iterator + q_off, cute.make_layout((MMA_ROWS, hd),
-                                                                     stride=(hd, 1)))
-        tQg = thr_q.partition_S(gQ)
-        tQs = thr_q.partition_D(sQ)
-        tQc = thr_q.partition_S(cute.make_identity_tensor((MMA_ROWS, hd)))
-        for mi in cutlass.range_constexpr(cute.size(tQs.shape[1])):
-            if tQc[0, mi, 0][0] < G:
-                cute.copy(g2s_cta, tQg[None, mi, None], tQs[None, mi, None])
-            else:
-                tQs[None, mi, None].fill(0)
-        cute.arch.cp_async_commit_group()
-
-        # ---- this warp's pages
         thr_kv = g2s_warp.get_slice(lane)
         tPc = thr_kv.partition_S(cute.make_identity_tensor((ps, hd)))
-        for s in cutlass.range_constexpr(S - 1):
-            if s < n_w:
-                self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg[s],
-                               kvh, (p_begin + warp_i + W * s) * ps, ctx, warp_i * S + s)
+
+        if cutlass.const_expr(self.rope):
+            # rope prologue: lane tidx < (G + 2) * tpu serves unit u = tidx // tpu (q heads
+            # 0..G-1 of this kv head, then its k and v head), elements 8j.. and d/2 + 8j..;
+            # the rest repeat the last unit (every lane of a warp is in the norm's butterfly)
+            # and store nothing. Host-written inputs before the wait, as in rope_kv.py.
+            tpu = self.tpu
+            u = cutlass.min(tidx // tpu, G + 1)
+            j = tidx % tpu
+            pos = mPos[b]
+            pos = pos if pos >= 0 else 0
+            pos = pos if pos < max_pos else max_pos - 1
+            c = mCS[pos, 0, j, None].load().to(bf16).to(f32)
+            sn = mCS[pos, 1, j, None].load().to(bf16).to(f32)
+            slot_tok = mSlot[b]
+            rW = cute.make_rmem_tensor(cute.make_layout((8, 2), stride=(1, 8)), f32)
+            if cutlass.const_expr(self.qk_norm):
+                if u < G:
+                    rW[None, 0].store(mWq[0, j, None].load().to(f32))
+                    rW[None, 1].store(mWq[1, j, None].load().to(f32))
+                else:
+                    rW[None, 0].store(mWk[0, j, None].load().to(f32))
+                    rW[None, 1].store(mWk[1, j, None].load().to(f32))
+            # This CTA writes the new token's K / V when its split holds the context's last
+            # page (the decode invariant: slot_mapping[b] is position ctx - 1's slot there,
+            # and nothing else in the step writes the cache), before any warp loads that page:
+            # the warp whose prologue would load it issues that prologue after the write and a
+            # block barrier; the other warps at once, before the wait (earlier positions were
+            # written by earlier steps, whose kernels have completed).
+            lp_local = last_col - p_begin
+            writer = (lp_local >= 0) & (lp_local < n_iter)
+            late = writer & (lp_local % W == warp_i) & (lp_local // W < S - 1)
+            if late:
+                pass
+            else:
+                self.mma_prologue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg,
+                                  kvh, p_begin, warp_i, ctx, n_w)
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # qkv is the previous kernel's
+            hh = kvh * G + u  # the head of unit u in qkv's (nq + 2 nkv) heads
+            if u == G:
+                hh = self.nq + kvh
+            if u == G + 1:
+                hh = self.nq + self.nkv + kvh
+            x1b = mQKV[b, hh, 0, j, None].load()
+            x2b = mQKV[b, hh, 1, j, None].load()
+            o1b, o2b = norm_rope(x1b.to(f32), x2b.to(f32), rW, c, sn, eps, hd, self.qk_norm)
+            rOut = cute.make_rmem_tensor(cute.make_layout((8, 2), stride=(1, 8)), bf16)
+            rOut[None, 0].store(o1b)
+            rOut[None, 1].store(o2b)
+            active = tidx < (G + 2) * tpu
+            if active & (u < G):
+                for e in cutlass.range_constexpr(8):
+                    sQ[u, 8 * j + e] = rOut[e, 0]
+                    sQ[u, hd // 2 + 8 * j + e] = rOut[e, 1]
+            if active & (u >= G) & writer & (slot_tok >= cutlass.Int64(0)):
+                if u == G + 1:
+                    rOut[None, 0].store(x1b)
+                    rOut[None, 1].store(x2b)
+                pg = slot_tok // cutlass.Int64(ps)
+                elem = ((pg * cutlass.Int64(self.nkv) + cutlass.Int64(kvh)) * cutlass.Int64(ps)
+                        + (slot_tok - pg * cutlass.Int64(ps))) * cutlass.Int64(hd)
+                dst = k_cache.toint()
+                if u == G + 1:
+                    dst = v_cache.toint()
+                addr = dst + (elem + cutlass.Int64(8 * j)) * cutlass.Int64(2)
+                self._store8(addr, rOut[None, 0].load())
+                self._store8(addr + cutlass.Int64(hd), rOut[None, 1].load())
+            # Q rows G.. are zero
+            n_zero = (MMA_ROWS - G) * hd
+            for i in cutlass.range_constexpr(-(-n_zero // self.threads)):
+                e = tidx + i * self.threads
+                if e < n_zero:
+                    sQ[G + e // hd, e % hd] = bf16(0.0)
+            cute.arch.sync_threads()  # sQ, and the K / V stores before any load of that page
+            if late:
+                self.mma_prologue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg,
+                                  kvh, p_begin, warp_i, ctx, n_w)
+        else:
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_wait()  # q and the new token's K / V are the rope's
+
+            # ---- Q: rows h < G <- q[b, kvh * G + h], rows G.. zero (issued first, waited
+            # below)
+            thr_q = g2s_cta.get_slice(tidx)
+            q_off = cute.assume((b * self.nq + kvh * G) * hd, divby=hd)
+            gQ = cute.make_tensor(mQ.iterator + q_off, cute.make_layout((MMA_ROWS, hd),
+                                                                         stride=(hd, 1)))
+            tQg = thr_q.partition_S(gQ)
+            tQs = thr_q.partition_D(sQ)
+            tQc = thr_q.partition_S(cute.make_identity_tensor((MMA_ROWS, hd)))
+            for mi in cutlass.range_constexpr(cute.size(tQs.shape[1])):
+                if tQc[0, mi, 0][0] < G:
+                    cute.copy(g2s_cta, tQg[None, mi, None], tQs[None, mi, None])
+                else:
+                    tQs[None, mi, None].fill(0)
             cute.arch.cp_async_commit_group()
+            self.mma_prologue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg,
+                              kvh, p_begin, warp_i, ctx, n_w)
         next_page = rPg[S - 1]
 
         # ---- Q into registers (A fragments of every k block), once for the whole loop
@@ -555,6 +671,26 @@ class DecodeAttention:
             for cc in cutlass.range_constexpr(cute.size(acc_O_mn.shape[1])):
                 if tOcO[rr, cc][1] < G:
                     sAcc_d[warp_i, tOcO[rr, cc][1], tOcO[rr, cc][0]] = acc_O_mn[rr, cc]
+
+    @cute.jit
+    def mma_prologue(self, k_cache: cute.Pointer, v_cache: cute.Pointer, sK_all: cute.Tensor,
+                     sV_all: cute.Tensor, g2s_warp: cute.TiledCopy, thr_kv: cute.TiledCopy,
+                     tPc: cute.Tensor, rPg: cute.Tensor, kvh: cutlass.Int32,
+                     p_begin: cutlass.Int32, warp_i: cutlass.Int32, ctx: cutlass.Int32,
+                     n_w: cutlass.Int32):
+        """This warp's first S - 1 pages into its ring, one cp.async group each."""
+        W, S, ps = self.rows, self.stages, self.ps
+        for s in cutlass.range_constexpr(S - 1):
+            if s < n_w:
+                self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg[s],
+                               kvh, (p_begin + warp_i + W * s) * ps, ctx, warp_i * S + s)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def _store8(self, addr: cutlass.Int64, vals: cute.TensorSSA):
+        """Store 8 bf16 at byte address ``addr`` (16-byte aligned): one 128-bit store."""
+        p = cute.make_ptr(cutlass.BFloat16, addr, cute.AddressSpace.gmem, assumed_align=16)
+        cute.make_tensor(p, cute.make_layout(8)).store(vals)
 
     @cute.jit
     def mma_issue(self, k_cache: cute.Pointer, v_cache: cute.Pointer, sK_all: cute.Tensor,
@@ -697,6 +833,36 @@ class DecodeAttention:
             mO[b, qh, lane, None].store((acc.load() * inv).to(cutlass.BFloat16))
 
 
+class DecodeRopeAttention(DecodeAttention):
+    """Decode attention with rope_kv.py's work in its prologue (one graph node fewer a layer):
+    from qkv[b] = [q heads | k heads | v heads] of one token per sequence at position
+    positions[b], each CTA computes its G q heads' (optional) RMSNorm + RoPE into shared
+    memory, and the CTA whose split holds the context's last page also writes the k head
+    (normed, rotated) and the v head into the caches at slot_mapping[b] (skipped when < 0),
+    as RopeKV does, with the same code (``norm_rope``), so the same bits. Only for steps of
+    one token per sequence whose slot is position ctx - 1's (plain decode): rows that read
+    each other's new K / V (speculative verify) need the separate kernels."""
+
+    def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int = 16,
+                 split: bool = False, num_stages: int = MMA_STAGES, fused: bool = True,
+                 warps: int = 4, pdl: bool = False, qk_norm: bool = True):
+        super().__init__(num_q_heads, num_kv_heads, head_dim, page_size, split=split,
+                         num_stages=num_stages, fused=fused, mma=True, warps=warps, pdl=pdl,
+                         rope=True, qk_norm=qk_norm)
+
+    @cute.jit
+    def __call__(self, qkv: cute.Pointer, positions: cute.Pointer, slot_mapping: cute.Pointer,
+                 q_norm_w: cute.Pointer, k_norm_w: cute.Pointer, cos_sin: cute.Pointer,
+                 k_cache: cute.Pointer, v_cache: cute.Pointer, page_indices: cute.Pointer,
+                 context_lens: cute.Pointer, out: cute.Pointer, workspace: cute.Pointer,
+                 counters: cute.Pointer, batch: cutlass.Int32, page_stride: cutlass.Int32,
+                 num_splits: cutlass.Int32, scale: cutlass.Float32, max_pos: cutlass.Int32,
+                 eps: cutlass.Float32, stream: cuda.CUstream):
+        self._launch(qkv, k_cache, v_cache, page_indices, context_lens, out, workspace,
+                     counters, batch, page_stride, num_splits, scale, stream,
+                     (qkv, positions, slot_mapping, q_norm_w, k_norm_w, cos_sin, max_pos, eps))
+
+
 SIGNATURE = Signature(
     Ptr("q", "bf16"), Ptr("k_cache", "bf16"), Ptr("v_cache", "bf16"), Ptr("page_indices", "i32"),
     Ptr("context_lens", "i32"), Ptr("out", "bf16"), Ptr("workspace", "f32"),
@@ -718,6 +884,12 @@ class DecodeAttentionLauncher:
 
     def __call__(self, q, k_cache, v_cache, page_indices, context_lens, out, workspace,
                  batch: int, page_stride: int, num_splits: int, scale: float, stream) -> None:
+        kernel, ws, counters = self._plan(out, workspace, batch, page_stride, num_splits)
+        kernel(q, k_cache, v_cache, page_indices, context_lens, out, ws, counters, batch,
+               page_stride, num_splits, scale, stream)
+
+    def _plan(self, out, workspace, batch: int, page_stride: int, num_splits: int):
+        """(kernel, workspace, counters address) of a launch, its arguments checked."""
         for name, v in (("batch", batch), ("page_stride", page_stride),
                         ("num_splits", num_splits)):
             if not isinstance(v, int) or v < 1:
@@ -726,9 +898,7 @@ class DecodeAttentionLauncher:
             raise _common.KernelArgError(f"num_splits={num_splits}: at most {MAX_SPLITS}")
         if num_splits == 1:
             unused = Unused(out)
-            self._single(q, k_cache, v_cache, page_indices, context_lens, out, unused, unused,
-                         batch, page_stride, num_splits, scale, stream)
-            return
+            return self._single, unused, unused
         need = decode_workspace_bytes(batch, self.nq, self.hd, num_splits)
         nbytes = getattr(workspace, "nbytes", None)
         if nbytes is None or nbytes < need:
@@ -737,8 +907,45 @@ class DecodeAttentionLauncher:
                 f"bytes (decode_workspace_bytes), got {workspace!r}")
         # the counters' place depends on the buffer's size only (decode_plan.py)
         counters = _common.addr(workspace) + split_counters_offset(nbytes)
-        self._split(q, k_cache, v_cache, page_indices, context_lens, out, workspace, counters,
-                    batch, page_stride, num_splits, scale, stream)
+        return self._split, workspace, counters
+
+
+ROPE_SIGNATURE = Signature(
+    Ptr("qkv", "bf16"), Ptr("positions", "i32", 4), Ptr("slot_mapping", "i64", 8),
+    Ptr("q_norm_w", "bf16"), Ptr("k_norm_w", "bf16"), Ptr("cos_sin", "f32"),
+    Ptr("k_cache", "bf16"), Ptr("v_cache", "bf16"), Ptr("page_indices", "i32"),
+    Ptr("context_lens", "i32"), Ptr("out", "bf16"), Ptr("workspace", "f32"),
+    Ptr("counters", "i32"),
+    Scalar("batch", cutlass.Int32), Scalar("page_stride", cutlass.Int32),
+    Scalar("num_splits", cutlass.Int32), Scalar("scale", cutlass.Float32, fake=1.0),
+    Scalar("max_pos", cutlass.Int32), Scalar("eps", cutlass.Float32, fake=1e-6))
+
+
+class DecodeRopeAttentionLauncher(DecodeAttentionLauncher):
+    """``launcher(qkv, positions, slot_mapping, q_norm_w, k_norm_w, cos_sin, k_cache, v_cache,
+    page_indices, context_lens, out, workspace, batch, page_stride, num_splits, scale, max_pos,
+    eps, stream)``: rope_kv's arguments (q_norm_w / k_norm_w None without qk_norm), then the
+    decode attention's (DecodeRopeAttention)."""
+
+    def __init__(self, *args, qk_norm: bool):
+        super().__init__(*args)
+        self.qk_norm = qk_norm
+
+    def __call__(self, qkv, positions, slot_mapping, q_norm_w, k_norm_w, cos_sin, k_cache,
+                 v_cache, page_indices, context_lens, out, workspace, batch: int,
+                 page_stride: int, num_splits: int, scale: float, max_pos: int, eps: float,
+                 stream) -> None:
+        if (q_norm_w is None or k_norm_w is None) == self.qk_norm:
+            raise _common.KernelArgError(
+                "q_norm_w and k_norm_w must be given exactly when compiled with qk_norm=True")
+        if not isinstance(max_pos, int) or max_pos <= 0:
+            raise _common.KernelArgError(f"max_pos={max_pos!r}: the cos/sin table needs rows")
+        if not self.qk_norm:  # never read
+            q_norm_w = k_norm_w = Unused(qkv)
+        kernel, ws, counters = self._plan(out, workspace, batch, page_stride, num_splits)
+        kernel(qkv, positions, slot_mapping, q_norm_w, k_norm_w, cos_sin, k_cache, v_cache,
+               page_indices, context_lens, out, ws, counters, batch, page_stride, num_splits,
+               scale, max_pos, float(eps), stream)
 
 
 def _compile(nq: int, nkv: int, head_dim: int, page_size: int, split: bool,
@@ -773,5 +980,24 @@ def compile_decode_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
         return DecodeAttentionLauncher(
             *args, _compile(*args, False, num_stages, mma=mma, warps=warps, pdl=pdl),
             _compile(*args, True, num_stages, fused, mma=mma, warps=warps, pdl=pdl))
+
+    return _common.cached_compile(key, build)
+
+
+def compile_decode_rope_attention(num_q_heads: int, num_kv_heads: int, head_dim: int,
+                                  page_size: int = 16, qk_norm: bool = True,
+                                  num_stages: int = MMA_STAGES, warps: int = 4,
+                                  pdl: bool = False) -> DecodeRopeAttentionLauncher:
+    """Compile (once per shape) the decode attention with the rope / KV-write prologue
+    (DecodeRopeAttention: the mma loop), single-split and fused split variants."""
+    key = ("decode_rope_attention", num_q_heads, num_kv_heads, head_dim, page_size,
+           bool(qk_norm), num_stages, warps) + (("pdl",) if pdl else ())
+
+    def build() -> DecodeRopeAttentionLauncher:
+        args = (num_q_heads, num_kv_heads, head_dim, page_size)
+        ops = [DecodeRopeAttention(*args, split=split, num_stages=num_stages, warps=warps,
+                                   pdl=pdl, qk_norm=qk_norm) for split in (False, True)]
+        return DecodeRopeAttentionLauncher(*args, *(ROPE_SIGNATURE.compile(op) for op in ops),
+                                           qk_norm=bool(qk_norm))
 
     return _common.cached_compile(key, build)

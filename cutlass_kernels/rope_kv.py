@@ -38,6 +38,28 @@ from cutlass_kernels._common import Ptr, Scalar, Signature, Unused
 VEC = 8
 
 
+@cute.jit
+def norm_rope(x1: cute.TensorSSA, x2: cute.TensorSSA, rW: cute.Tensor, c: cute.TensorSSA,
+              s: cute.TensorSSA, eps: Float32, hd: cutlass.Constexpr,
+              qk_norm: cutlass.Constexpr):
+    """One lane's 8 + 8 elements (x1 = x[8j:8j+8], x2 = x[d/2+8j:...], fp32 of bf16) of a head
+    -> the bf16 (out1, out2) of the optional per-head RMSNorm (its sum of squares a butterfly
+    over the head's d/16 lanes: every lane of the warp takes part) and neox RoPE, rounded as the
+    module docstring says. Shared by RopeKV and the decode attention's rope prologue
+    (decode_attention.py): the same code, so the same bits."""
+    if cutlass.const_expr(qk_norm):
+        ss = (x1 * x1 + x2 * x2).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        ss = cute.arch.warp_reduction(ss, lambda a, b: a + b, threads_in_group=hd // 16)
+        rstd = cute.math.rsqrt(ss / Float32(hd) + eps)
+        x1 = (x1 * rstd).to(BFloat16).to(Float32) * rW[None, 0].load()
+        x2 = (x2 * rstd).to(BFloat16).to(Float32) * rW[None, 1].load()
+        x1 = x1.to(BFloat16).to(Float32)
+        x2 = x2.to(BFloat16).to(Float32)
+    o1 = ((x1 * c).to(BFloat16).to(Float32) - (x2 * s).to(BFloat16).to(Float32))
+    o2 = ((x2 * c).to(BFloat16).to(Float32) + (x1 * s).to(BFloat16).to(Float32))
+    return o1.to(BFloat16), o2.to(BFloat16)
+
+
 class RopeKV:
     def __init__(self, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  qk_norm: bool, pdl: bool = False) -> None:
@@ -113,20 +135,7 @@ class RopeKV:
         x1 = x1b.to(Float32)
         x2 = x2b.to(Float32)
 
-        if cutlass.const_expr(self.qk_norm):
-            ss = (x1 * x1 + x2 * x2).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            # every lane takes part (spare lanes too): the butterfly stays in its d/16-lane group
-            ss = cute.arch.warp_reduction(ss, lambda a, b: a + b, threads_in_group=self.tpu)
-            rstd = cute.math.rsqrt(ss / Float32(self.hd) + eps)
-            x1 = (x1 * rstd).to(BFloat16).to(Float32) * rW[None, 0].load()
-            x2 = (x2 * rstd).to(BFloat16).to(Float32) * rW[None, 1].load()
-            x1 = x1.to(BFloat16).to(Float32)
-            x2 = x2.to(BFloat16).to(Float32)
-
-        o1 = ((x1 * c).to(BFloat16).to(Float32) - (x2 * s).to(BFloat16).to(Float32))
-        o2 = ((x2 * c).to(BFloat16).to(Float32) + (x1 * s).to(BFloat16).to(Float32))
-        o1b = o1.to(BFloat16)
-        o2b = o2.to(BFloat16)
+        o1b, o2b = norm_rope(x1, x2, rW, c, s, eps, self.hd, self.qk_norm)
 
         # One exit path for all three head kinds: pick the destination address and the values,
         # then store twice 8 bf16 (x1 half, x2 half) with 128-bit stores.

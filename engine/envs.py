@@ -108,6 +108,17 @@ def fused_layers() -> bool:
     return value in ("1", "true", "on", "")
 
 
+def fuse_rope() -> bool:
+    """``CUTEINFER_FUSE_ROPE`` (default on): plain decode steps run the q / k norm, RoPE and
+    KV-cache write in the decode attention's prologue (one graph node fewer a layer;
+    docs/perf.md v23); 0 runs rope_kv as its own kernel, as prefill, mixed and verify steps
+    always do. Needs the tensor-core decode attention (``CUTEINFER_DECODE_ATTN`` mma)."""
+    value = os.environ.get("CUTEINFER_FUSE_ROPE", "1").strip().lower()
+    if value not in ("0", "1", "true", "false", "on", "off", ""):
+        raise ValueError(f"CUTEINFER_FUSE_ROPE must be 0 or 1, got {value!r}")
+    return value in ("1", "true", "on", "")
+
+
 def decode_attention_options() -> dict:
     """``CUTEINFER_DECODE_ATTN``: compile_decode_attention keywords. ``mma`` (default): the
     tensor-core loop at its default shape; ``mma:WxS``: W warps, S pages a warp; ``simt``: {}."""

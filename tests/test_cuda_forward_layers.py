@@ -38,15 +38,17 @@ class _Gemm:
         self.log.append((self.name, a, c, m, tile_as, "plain"))
 
 
-def _executor(fused_max: dict[str, int] | None = None):
+def _executor(fused_max: dict[str, int] | None = None, rope_in_attention: bool = False):
     log: list = []
     e = object.__new__(cx.CudaExecutor)
     e.log = log
+    e.__dict__["_rope_in_attention"] = rope_in_attention  # the cached_property's value
     lim = {"qkv": 128, "o": 128, "gate_up": 128, "down": 128, **(fused_max or {})}
     rec = lambda name: (lambda *a: log.append((name, *[x for x in a if isinstance(x, str)])))  # noqa: E731
     e.kernels = SimpleNamespace(
         embed=rec("embed"), norm=rec("norm"), add_norm=rec("add_norm"), rope=rec("rope"),
-        decode=rec("decode"), prefill=rec("prefill"), silu=rec("silu"),
+        decode=rec("decode"), decode_rope=rec("decode_rope"), prefill=rec("prefill"),
+        silu=rec("silu"),
         **{g: _Gemm(log, g, lim[g]) for g in ("qkv", "o", "gate_up", "down")})
     names = ("input_ids", "resid", "delta", "h", "ones", "qkv", "positions", "slot_mapping",
              "cos_sin", "q", "attn", "gate_up", "act", "page_indices", "context_lens",
@@ -81,6 +83,25 @@ def test_a_decode_step_runs_the_fused_layer() -> None:
     assert all(x[-1] == "fused" and x[3] == 16 for x in _gemms(e.log))
     final = e.log[-1]
     assert final[:4] == ("norm", "resid", "final_norm", "h")  # the real norm weight, once
+
+
+def test_a_decode_step_with_rope_in_attention_runs_five_kernels_a_layer() -> None:
+    """CUTEINFER_FUSE_ROPE (rope_attention_options): plain decode runs decode_rope, which
+    reads qkv and writes attn; every other step keeps rope_kv as its own kernel."""
+    e = _executor(rope_in_attention=True)
+    e.forward(16, 16, True, 1, 1)
+    kinds = [x[0] for x in e.log]
+    assert kinds == ["embed"] + ["qkv", "decode_rope", "o", "gate_up", "down"] * LAYERS + [
+        "norm"]
+    call = e.log[kinds.index("decode_rope")]
+    assert call[1:4] == ("qkv", "positions", "slot_mapping") and "attn" in call
+    assert "q" not in call  # no q buffer between rope and attention
+    for args, kw in (((16, 16, True, 1, 1), {"tile_as": 16}),  # verify rows
+                     ((300, 2, False, 200, 1), {})):  # prefill
+        e = _executor(rope_in_attention=True)
+        e.forward(*args, **kw)
+        kinds = [x[0] for x in e.log]
+        assert "decode_rope" not in kinds and kinds.count("rope") == LAYERS
 
 
 def test_a_big_step_runs_the_separate_kernels_with_unit_norms() -> None:

@@ -70,6 +70,50 @@ def test_decode_attention_pdl_ptx(tmp_path, monkeypatch, mma):
     assert "griddepcontrol.wait" not in plain
 
 
+@pytest.mark.parametrize("shape, qk_norm", [((16, 8, 128), True), ((32, 8, 128), True),
+                                            ((9, 3, 64), False), ((4, 4, 128), True),
+                                            ((8, 2, 64), True)])
+def test_decode_rope_attention_compiles(shape, qk_norm):
+    from cutlass_kernels.decode_attention import compile_decode_rope_attention
+
+    launcher = compile_decode_rope_attention(*shape, 16, qk_norm)
+    assert launcher._single is not None and launcher._split is not None
+    assert compile_decode_rope_attention(*shape, 16, qk_norm) is launcher
+    assert compile_decode_rope_attention(*shape, 16, qk_norm, pdl=True) is not launcher
+
+
+def test_decode_rope_attention_refuses_what_it_cannot_do():
+    from cutlass_kernels.decode_attention import DecodeAttention, DecodeRopeAttention
+
+    with pytest.raises(ValueError, match="rope needs the mma loop"):
+        DecodeAttention(32, 8, 128, rope=True)  # the CUDA-core loop
+    with pytest.raises(ValueError, match="rope needs the mma loop"):
+        DecodeRopeAttention(32, 8, 128, warps=1)  # 32 lanes < (4 + 2) * 8
+    DecodeRopeAttention(32, 8, 128, warps=2)  # 64 >= 48
+
+
+@pytest.mark.parametrize("shape", [(32, 8, 128), (9, 3, 64)])
+def test_decode_rope_attention_ptx(tmp_path, monkeypatch, shape):
+    """The rope prologue under PDL: the positions / slots / cos-sin / norm weights / page
+    indices and the non-writer warps' first pages before griddepcontrol.wait, every global
+    store (the new K / V, the partials, the output) after it; mma loop intact, no spills."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutlass_kernels.decode_attention import ROPE_SIGNATURE, DecodeRopeAttention
+
+    monkeypatch.setattr(cutlass.base_dsl.BaseDSL._get_dsl().envar, "dump_dir", str(tmp_path))
+    op = DecodeRopeAttention(*shape, split=True, pdl=True, qk_norm=shape[2] == 128)
+    ptx = cute.compile(op, *ROPE_SIGNATURE.fake_args(), options="--keep-ptx").__ptx__
+    hd = shape[2]
+    assert ptx.count(".entry ") == 1 and ptx.count("griddepcontrol.wait") == 1
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" in ptx[:wait] and "cp.async.cg.shared.global" in ptx[:wait]
+    assert "st.global" not in ptx[:wait] and "st.global.v4" in ptx[wait:]
+    assert ptx.count("mma.sync.aligned.m16n8k16") == hd // 16 * 3
+    assert not re.search(r"\b(ld|st)\.local", ptx)
+
+
 def _decode_ptx(tmp_path, monkeypatch, shape, fused: bool, **opts) -> str:
     import cutlass
     import cutlass.cute as cute

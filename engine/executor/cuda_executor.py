@@ -193,6 +193,14 @@ class CudaExecutor(Executor):
                                  self.ctx.num_sms, self.page_size, mma=self._attention_mma)
 
     @functools.cached_property
+    def _rope_in_attention(self) -> bool:
+        """Whether plain decode steps run ``decode_rope`` (read once, like ``_attention_mma``:
+        cuda_model compiled it for these options)."""
+        from engine.executor.cuda_model import rope_attention_options
+
+        return rope_attention_options(self.mc) is not None
+
+    @functools.cached_property
     def _attention_mma(self) -> bool:
         """Whether decode attention runs its tensor-core loop (read once: every step's split
         plan and the memory plan must agree with the kernel cuda_model compiled)."""
@@ -325,6 +333,9 @@ class CudaExecutor(Executor):
         if any(flags) and not fused:  # the four share their path options: never expected
             raise ExecutorError(f"M={m}: the decoder GEMMs disagree on fusing (qkv, o, "
                                 f"gate_up, down: {flags}); compile them with the same paths")
+        # plain decode (one token per sequence, its slot at position ctx - 1): rope's work in
+        # the attention's prologue, five nodes a layer; verify rows read each other's new K / V
+        rope_in_attention = decode and tile_as is None and self._rope_in_attention
         k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
         for li, lw in enumerate(w.layers):
             if fused:
@@ -335,10 +346,18 @@ class CudaExecutor(Executor):
                 else:
                     k.add_norm(buf.delta, buf.resid, buf.ones, buf.h, t, eps, st)
                 k.qkv.unfused(buf.h, lw["qkv"], buf.qkv, t, st, tile_as)
-            k.rope(buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"), lw.get("k_norm"),
-                   buf.cos_sin, buf.q, self.k_cache[li], self.v_cache[li], t, self.sizes.max_pos,
-                   eps, st)
-            if decode:
+            if rope_in_attention:
+                k.decode_rope(buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"),
+                              lw.get("k_norm"), buf.cos_sin, self.k_cache[li], self.v_cache[li],
+                              buf.page_indices, buf.context_lens, buf.attn, buf.workspace,
+                              num_seqs, pps, num_splits, self.scale, self.sizes.max_pos, eps, st)
+            else:
+                k.rope(buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"),
+                       lw.get("k_norm"), buf.cos_sin, buf.q, self.k_cache[li], self.v_cache[li],
+                       t, self.sizes.max_pos, eps, st)
+            if rope_in_attention:
+                pass
+            elif decode:
                 k.decode(buf.q, self.k_cache[li], self.v_cache[li], buf.page_indices,
                          buf.context_lens, buf.attn, buf.workspace, num_seqs, pps, num_splits,
                          self.scale, st)

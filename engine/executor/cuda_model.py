@@ -36,7 +36,10 @@ from engine.progress import progress
 
 if TYPE_CHECKING:
     from cutlass_kernels._parallel import Compiling, Job
-    from cutlass_kernels.decode_attention import DecodeAttentionLauncher
+    from cutlass_kernels.decode_attention import (
+        DecodeAttentionLauncher,
+        DecodeRopeAttentionLauncher,
+    )
     from cutlass_kernels.embedding import EmbeddingLauncher
     from cutlass_kernels.gemm import GemmLauncher
     from cutlass_kernels.logits_process import CountTokensLauncher, LogitsProcessLauncher
@@ -184,6 +187,8 @@ class Kernels:
     silu: SiluMulLauncher  # the unfused path; gate and up in 32-column blocks (DeviceWeights)
     fold: ScaleColsLauncher  # W[:, k] *= norm weight[k], once at load
     decode: DecodeAttentionLauncher
+    # decode with rope's work in its prologue (plain decode steps, ``rope_attention_options``)
+    decode_rope: DecodeRopeAttentionLauncher
     prefill: PrefillAttentionLauncher
     sample: SamplerLauncher
     logprobs: LogProbsLauncher
@@ -238,7 +243,10 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
     """``Kernels`` field -> (compile function, args, kwargs). Imports the kernel modules (and
     with them the DSL, most of a warm start): called in ``Compiling``'s thread."""
     # decode_attention first (the slowest import); the memory plan reads decode_plan, no DSL
-    from cutlass_kernels.decode_attention import compile_decode_attention
+    from cutlass_kernels.decode_attention import (
+        compile_decode_attention,
+        compile_decode_rope_attention,
+    )
     from cutlass_kernels.embedding import compile_embedding
     from cutlass_kernels.gemm import compile_gemm, wide_options
     from cutlass_kernels.logits_process import compile_count_tokens, compile_logits_process
@@ -277,6 +285,9 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
         "logits_process": (compile_logits_process, (v, pad.vocab), {}),
         "count_tokens": (compile_count_tokens, (v,), {}),
         "rope": (compile_rope_kv, (nq, nkv, hd, 16, mc.qk_norm), {"pdl": envs.pdl_attention()}),
+        # compiled also when the forward does not use it (then at the default warps x stages)
+        "decode_rope": (compile_decode_rope_attention, (nq, nkv, hd, 16, mc.qk_norm),
+                        {**(rope_attention_options(mc) or {}), "pdl": envs.pdl_attention()}),
         "embed": (compile_embedding, (h,), {}),
         # bf16 rows of width h too: the compile cache hands back the embed kernel itself
         "gather_rows": (compile_embedding, (h,), {}),
@@ -288,6 +299,20 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
 
 
 GATE_UP_BLOCK = 32  # = gemm_skinny.HALF (not imported here: it loads the DSL)
+
+
+def rope_attention_options(mc: ModelConfig) -> dict | None:
+    """The decode attention's warps x stages when plain decode steps run rope in its prologue
+    (``CUTEINFER_FUSE_ROPE`` on, the mma loop, and 32 * warps >= (G + 2) * head_dim / 16 lanes
+    for its q heads, k and v), else None: rope_kv then runs as its own kernel."""
+    opts = envs.decode_attention_options()
+    if not envs.fuse_rope() or not opts.get("mma"):
+        return None
+    warps = opts.get("warps", 4)
+    group = mc.num_attention_heads // mc.num_key_value_heads
+    if 32 * warps < (group + 2) * (mc.head_dim // 16):
+        return None
+    return {k: opts[k] for k in ("warps", "num_stages") if k in opts}
 
 
 class DeviceWeights:

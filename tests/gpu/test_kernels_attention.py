@@ -234,7 +234,7 @@ def test_pdl_rope_then_decode_waits_for_their_inputs(cuda_ctx, stream, variant, 
     pos = (ctx - 1).astype(np.int32)
     slots = (kv.table[np.arange(batch), pos // PAGE].astype(np.int64) * PAGE + pos % PAGE)
     for cache in (kv.k, kv.v):  # the new token's slot: the rope must write it first
-        cache.reshape(-1, nkv, hd)[slots.reshape(-1, 1), np.arange(nkv)] = np.nan
+        cache[slots // PAGE, :, slots % PAGE] = np.nan
     rows = 300
     table = (2.0 * rng.standard_normal((rows, width))).astype(BF16)
     qw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(BF16)
@@ -269,6 +269,102 @@ def test_pdl_rope_then_decode_waits_for_their_inputs(cuda_ctx, stream, variant, 
         assert np.isfinite(got[0].view(BF16).astype(np.float32)).all(), f"{what}: non-finite"
         diff = np.count_nonzero(got[0] != got[1])
         assert diff == 0, f"{what}: {diff} outputs differ from the chain without PDL"
+
+
+# (name, shape, qk_norm, contexts, splits, padding rows): page edges, one and many splits
+# (empty ones too), the writer split in the middle of a warp's prologue, a padding row, GQA 1..4
+# and head_dim 64
+ROPE_CASES = [
+    ("ctx1", (32, 8, 128), True, [1], 1, ()),
+    ("b4_edges", (32, 8, 128), True, [15, 16, 17, 32], 1, ()),
+    ("b1_ctx1024_s16", (32, 8, 128), True, [1024], 16, ()),
+    ("b1_ctx1000_s8", (16, 8, 128), True, [1000], 8, ()),
+    ("b3_s5_empty", (32, 8, 128), True, [4133, 17, 1], 5, ()),
+    ("b3_padding", (16, 8, 128), True, [33, 1, 250], 3, (1,)),
+    ("b64", (16, 8, 128), True, None, 1, ()),
+    ("smollm_b5", (9, 3, 64), False, [1, 15, 16, 17, 300], 1, ()),
+    ("gqa1_s4", (4, 4, 128), True, [700, 64], 4, ()),
+    ("hd64_s33", (8, 2, 64), True, [3000], 33, ()),
+]
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("case", ROPE_CASES, ids=lambda c: c[0])
+def test_decode_rope_attention_equals_rope_then_decode(cuda_ctx, stream, case, pdl):
+    """The decode attention with the rope / KV-write prologue against the two kernels it
+    replaces (rope_kv, then the mma decode attention), from the same inputs on two copies of
+    the caches: the output bits equal, the caches equal bit for bit afterwards (the new
+    token's K / V written once, at its slot, by the split holding it; nothing else touched;
+    no write for a padding row), the output finite (the new slots start as NaN, so a page
+    loaded before its write shows). Then against float64 numpy from the separate kernels' q."""
+    from cutlass_kernels.decode_attention import (
+        compile_decode_attention,
+        compile_decode_rope_attention,
+    )
+    from cutlass_kernels.rope_kv import compile_rope_kv
+    from engine.cuda.driver import device_array, to_device
+    from tests.kernel_refs import ref_cos_sin
+
+    name, shape, qk, ctx_lens, splits, padding = case
+    nq, nkv, hd = shape
+    rng = np.random.default_rng()
+    if ctx_lens is None:
+        ctx_lens = _random_contexts(rng, 64)
+    batch, width, max_pos = len(ctx_lens), (nq + 2 * nkv) * hd, 8192
+    kv = PagedKV(rng, ctx_lens, nkv, hd, padding)
+    pos = (kv.ctx - 1).astype(np.int32)
+    slots = (kv.table[np.arange(batch), pos // PAGE].astype(np.int64) * PAGE + pos % PAGE)
+    for b in padding:
+        slots[b], pos[b] = -1, 0
+    for cache in (kv.k, kv.v):
+        live = slots[slots >= 0]
+        cache[live // PAGE, :, live % PAGE] = np.nan
+    qkv = (2.0 * rng.standard_normal((batch, width))).astype(BF16)
+    qw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(BF16) if qk else None
+    kw = (1.0 + 0.2 * rng.standard_normal(hd)).astype(BF16) if qk else None
+    d_qkv, d_pos, d_slots = to_device(qkv), to_device(pos), to_device(slots)
+    d_qw, d_kw = (to_device(qw), to_device(kw)) if qk else (None, None)
+    d_cs = to_device(ref_cos_sin(max_pos, hd, 1e6))
+    d_pt, d_ctx = to_device(kv.table), to_device(kv.ctx)
+    scale, eps = hd ** -0.5, 1e-6
+
+    # the separate kernels
+    k1, v1 = to_device(kv.k), to_device(kv.v)
+    q1 = device_array((batch, nq * hd), BF16)
+    out1 = device_array((batch, nq * hd), BF16)
+    out1.fill_bytes(0xFF, stream)
+    compile_rope_kv(nq, nkv, hd, PAGE, qk)(d_qkv, d_pos, d_slots, d_qw, d_kw, d_cs, q1, k1, v1,
+                                          batch, max_pos, eps, stream)
+    compile_decode_attention(nq, nkv, hd, mma=True)(
+        q1, k1, v1, d_pt, d_ctx, out1, _workspace(batch, shape, splits, stream), batch,
+        kv.stride, splits, scale, stream.handle)
+    # the fused one, twice on the same workspace (the counters it leaves are the next start)
+    fused = compile_decode_rope_attention(nq, nkv, hd, PAGE, qk, pdl=pdl)
+    k2, v2 = to_device(kv.k), to_device(kv.v)
+    out2 = device_array((batch, nq * hd), BF16)
+    ws = _workspace(batch, shape, splits, stream)
+    got = []
+    for _ in range(2):
+        out2.fill_bytes(0xFF, stream)
+        fused(d_qkv, d_pos, d_slots, d_qw, d_kw, d_cs, k2, v2, d_pt, d_ctx, out2, ws, batch,
+              kv.stride, splits, scale, max_pos, eps, stream.handle)
+        stream.synchronize()
+        got.append(out2.download().view(np.uint16).copy())
+    want = out1.download().view(np.uint16)
+    what = f"decode+rope {name} pdl={pdl}"
+    assert np.isfinite(got[0].view(BF16).astype(np.float32)).all(), f"{what}: non-finite"
+    for i, g in enumerate(got):
+        diff = np.count_nonzero(g != want)
+        assert diff == 0, f"{what}: launch {i}: {diff} outputs differ from rope_kv + decode"
+    for nm, a, b in (("k", k1, k2), ("v", v1, v2)):
+        x, y = a.download().view(np.uint16), b.download().view(np.uint16)
+        assert np.array_equal(x, y), f"{what}: {nm} cache differs ({np.count_nonzero(x != y)})"
+    if ws is not None:
+        assert not _counters(ws, stream).any(), f"{what}: split counters not reset"
+    q = q1.download().astype(np.float32)
+    ref = ref_paged_decode_attention(q, k1.download().astype(np.float32),
+                                     v1.download().astype(np.float32), kv.table, kv.ctx, scale)
+    _check(got[0].view(BF16), ref, hd, what)
 
 
 @pytest.mark.parametrize("variant", DECODE_VARIANTS[:2], ids=lambda v: v[0])
