@@ -8,9 +8,13 @@ with kvh = qh // (nq / nkv). Scores, softmax and P.V are fp32; the output is rou
 Grid: one CTA per (kv head, split, sequence), 128 threads. The CTA loads each (page, kv head)
 tile of K and V once and serves all nq/nkv query heads that share it. Split j of a sequence covers
 pages [j * pps, min((j + 1) * pps, n_pages)) with n_pages = ceil(ctx / page_size) and
-pps = ceil(n_pages / num_splits), computed on the device from context_lens, so the grid depends
-only on (B, num_splits), both frozen per CUDA-graph bucket. A split with no pages writes m = -inf,
-l = 0, o = 0; the combine skips it (splits j >= ceil(n_pages / pps) are the empty ones).
+pps = max(ceil(n_pages / num_splits), MIN_PAGES_PER_SPLIT), computed on the device from
+context_lens, so the grid depends only on (B, num_splits), both frozen per CUDA-graph bucket. A
+split with no pages writes m = -inf, l = 0, o = 0; the combine skips it (splits
+j >= ceil(n_pages / pps) are the empty ones). The bucket's num_splits comes from max_model_len
+(decode_plan.py); the floor of MIN_PAGES_PER_SPLIT pages keeps a shorter context on fewer, fuller
+splits (qwen3-8b shape, batch 1, context 1024: 8 splits of 8 pages 5.29 us, 16 of 4 5.60 us,
+docs/perf.md v22), the rest of the grid exiting empty.
 
 KV cache, per layer, K and V separately (docs/kernels.md):
 
@@ -265,7 +269,7 @@ class DecodeAttention:
 
         ctx = mCtx[b]
         n_pages = (ctx + ps - 1) // ps
-        pps = (n_pages + num_splits - 1) // num_splits
+        pps = cutlass.max((n_pages + num_splits - 1) // num_splits, MIN_PAGES_PER_SPLIT)
         p_begin = split * pps
         p_end = cutlass.min(p_begin + pps, n_pages)
         n_iter = cutlass.max(p_end - p_begin, 0)
@@ -412,7 +416,7 @@ class DecodeAttention:
             cute.arch.sync_threads()
             if sFlag[0] == num_splits - 1:  # the last of the S splits: every partial is out
                 cute.arch.fence_acq_rel_gpu()
-                n_active = cutlass.max((n_pages + pps - 1) // cutlass.max(pps, 1), 1)
+                n_active = cutlass.max((n_pages + pps - 1) // pps, 1)
                 self.merge(mWo4, mWml, mO4, sKV, b, kvh, n_active, tidx)
                 if tidx == 0:
                     mCnt[b, kvh] = cutlass.Int32(0)  # ready for the next launch (graph replay)
@@ -456,8 +460,9 @@ class DecodeAttention:
         # loaded before griddepcontrol.wait under PDL, their latency behind the previous kernel)
         n_w = (n_iter - warp_i + W - 1) // W
         last_col = cutlass.max((ctx + ps - 1) // ps - 1, 0)  # a valid column, also when empty
-        rPg = cute.make_rmem_tensor(S, cutlass.Int32)
-        for s in cutlass.range_constexpr(S):
+        # S pages for the prologue's ring fill, and the first one the loop issues
+        rPg = cute.make_rmem_tensor(S + 1, cutlass.Int32)
+        for s in cutlass.range_constexpr(S + 1):
             rPg[s] = mPT[b, cutlass.min(p_begin + warp_i + W * s, last_col)]
         thr_kv = g2s_warp.get_slice(lane)
         tPc = thr_kv.partition_S(cute.make_identity_tensor((ps, hd)))
@@ -492,7 +497,7 @@ class DecodeAttention:
             # written by earlier steps, whose kernels have completed).
             lp_local = last_col - p_begin
             writer = (lp_local >= 0) & (lp_local < n_iter)
-            late = writer & (lp_local % W == warp_i) & (lp_local // W < S - 1)
+            late = writer & (lp_local % W == warp_i) & (lp_local // W < S)
             if late:
                 pass
             else:
@@ -560,12 +565,12 @@ class DecodeAttention:
             cute.arch.cp_async_commit_group()
             self.mma_prologue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg,
                               kvh, p_begin, warp_i, ctx, n_w)
-        next_page = rPg[S - 1]
+        next_page = rPg[S]
 
         # ---- Q into registers (A fragments of every k block), once for the whole loop
         thr_s = mma_s.get_slice(lane)
         thr_o = mma_o.get_slice(lane)
-        cute.arch.cp_async_wait_group(S - 1)  # this thread's Q chunks (the oldest group)
+        cute.arch.cp_async_wait_group(S)  # this thread's Q chunks (the oldest group)
         cute.arch.sync_threads()  # everyone's
         s2r_Q = cute.make_tiled_copy_A(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16),
@@ -598,15 +603,11 @@ class DecodeAttention:
         n_k = cute.size(tSrQ.shape[2])
         head_a = 8 * (lane % 4)  # O^T column heads 2 (l % 4) + {0, 1} live in lanes 4 h
 
+        # The prologue filled all S slots (S groups); iteration it waits for page it (S + it
+        # groups committed, S - 1 may stay in flight), computes it, then refills its slot with
+        # page it + S: the same S - 1 pages in flight during each page's math as issuing before
+        # it, and one more page loaded before griddepcontrol.wait (batch 1: all of a split's)
         for it in cutlass.range(n_w, unroll=1):
-            nxt = it + (S - 1)
-            if nxt < n_w:
-                self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc,
-                               next_page, kvh, (p_begin + warp_i + W * nxt) * ps, ctx,
-                               warp_i * S + nxt % S)
-            if nxt + 1 < n_w:
-                next_page = mPT[b, p_begin + warp_i + W * (nxt + 1)]
-            cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(S - 1)
             cute.arch.sync_warp()  # every lane's chunks of this page are in
             slot = warp_i * S + it % S
@@ -653,6 +654,13 @@ class DecodeAttention:
             cute.copy(s2r_Vt, tOsVt, tOrVt_v)
             cute.gemm(mma_o, acc_O, tOrVt, rPt, acc_O)
             cute.arch.sync_warp()  # every lane is done with this slot before it is refilled
+            nxt = it + S
+            if nxt < n_w:
+                self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc,
+                               next_page, kvh, (p_begin + warp_i + W * nxt) * ps, ctx, slot)
+            if nxt + 1 < n_w:
+                next_page = mPT[b, p_begin + warp_i + W * (nxt + 1)]
+            cute.arch.cp_async_commit_group()
 
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()  # every warp is out of the ring: sAcc may overwrite it
@@ -678,9 +686,9 @@ class DecodeAttention:
                      tPc: cute.Tensor, rPg: cute.Tensor, kvh: cutlass.Int32,
                      p_begin: cutlass.Int32, warp_i: cutlass.Int32, ctx: cutlass.Int32,
                      n_w: cutlass.Int32):
-        """This warp's first S - 1 pages into its ring, one cp.async group each."""
+        """This warp's first S pages into its ring (all of it), one cp.async group each."""
         W, S, ps = self.rows, self.stages, self.ps
-        for s in cutlass.range_constexpr(S - 1):
+        for s in cutlass.range_constexpr(S):
             if s < n_w:
                 self.mma_issue(k_cache, v_cache, sK_all, sV_all, g2s_warp, thr_kv, tPc, rPg[s],
                                kvh, (p_begin + warp_i + W * s) * ps, ctx, warp_i * S + s)

@@ -74,7 +74,8 @@ def _check(got: np.ndarray, want: np.ndarray, hd: int, what: str) -> None:
 # ---- decode --------------------------------------------------------------------------------
 
 # (name, context lengths, num_splits, padding rows). Split j of a sequence covers pages
-# [j * pps, (j + 1) * pps), pps = ceil(pages / splits): short contexts leave most splits empty.
+# [j * pps, (j + 1) * pps), pps = max(ceil(pages / splits), MIN_PAGES_PER_SPLIT = 8): short
+# contexts leave most splits empty.
 DECODE_CASES = [
     ("ctx1", [1], 1, ()),
     ("one_page", [16], 1, ()),
@@ -85,7 +86,8 @@ DECODE_CASES = [
     ("split2_ctx1", [1], 2, ()),
     ("split5_b4_edges", [1, 15, 16, 17], 5, ()),  # one or two pages: 3-4 of 5 splits empty
     ("split8_b1_ctx1024", [1024], 8, ()),  # qwen3-8b's batch-1 plan at context 1024
-    ("split33_b1_ctx1024", [1024], 33, ()),  # max_model_len 40960's plan: 1 empty split
+    ("split33_b1_ctx1024", [1024], 33, ()),  # max_model_len 40960's plan: 8 full, 25 empty
+    ("split16_floor_b2", [200, 1000], 16, ()),  # 13 pages: 8 + 5; 63 pages: 7 x 8 + 7
     ("split7_mid_page", [4001], 7, ()),
     ("split5_empty_splits", [4133, 17, 1], 5, ()),
     ("split16_b3", [40, 3000, 16], 16, ()),
