@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
             pdl = not args.no_pdl
             if kind in ("mma", "rope", "sep"):
                 warps, stages = (int(x) for x in conf.split("x"))
-                dec = compile_decode_attention(nq, nkv, hd, num_stages=stages, mma=True,
-                                               warps=warps, pdl=pdl and kind == "sep")
+                dec = (compile_decode_attention(nq, nkv, hd, num_stages=stages, mma=True,
+                                                warps=warps, pdl=pdl and kind == "sep")
+                       if kind != "rope" else None)  # rope: the fused kernel alone runs
                 fused = (compile_decode_rope_attention(nq, nkv, hd, ps, True, num_stages=stages,
                                                        warps=warps, pdl=pdl)
                          if kind == "rope" else None)
