@@ -103,7 +103,7 @@ class EngineArgs:
         None, "Speculative decoding, as JSON (vLLM's --speculative-config): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
         '"prompt_lookup_max": 4}, or {"method": "dflash", "model": DRAFTER_DIR} (a DFlash '
-        "drafter, numpy backend so far; num_speculative_tokens defaults to its block_size - 1); "
+        "drafter, numpy and cuda backends; num_speculative_tokens defaults to its block_size - 1); "
         'also "disable_by_batch_size" (speculate only while fewer '
         "requests run, default 2: batch 1). The embedded LLM takes a dict. The accepted tokens "
         "are the ones plain decoding samples (greedy and seeded; on cuda the verify rows run "

@@ -31,18 +31,21 @@ batch-invariant across buckets (each bucket's GEMM tile and split-KV factor), so
 speculation in batches (a larger ``disable_by_batch_size``) a request that reaches a position at
 a different batch size than in the plain run can pick the other of two nearly tied tokens.
 
-Proposer methods: ``ngram`` (prompt lookup, on the host) and ``dflash`` (a DFlash drafter,
-engine/model/dflash.py; numpy backend only so far)::
+Proposer methods: ``ngram`` (prompt lookup, on the host) and ``dflash`` (a DFlash drafter:
+engine/model/dflash.py on numpy, engine/executor/cuda_dflash.py on cuda)::
 
-    LLM(model, backend="numpy", speculative_config={"method": "dflash", "model": DRAFTER_DIR})
-    cuteinfer serve MODEL --backend numpy --dflash-draft-model-path DRAFTER_DIR
+    LLM(model, speculative_config={"method": "dflash", "model": DRAFTER_DIR})
+    cuteinfer serve MODEL --dflash-draft-model-path DRAFTER_DIR
 
 ``num_speculative_tokens`` defaults to the drafter's ``block_size - 1`` (15 for the b16
-checkpoints) and may not exceed it. The executor captures the target's hidden states of the
-drafter's ``target_layer_ids`` at every computed token's KV slot (``NumpyExecutor.
+checkpoints) and may not exceed it. numpy: the executor captures the target's hidden states of
+the drafter's ``target_layer_ids`` at every computed token's KV slot (``NumpyExecutor.
 enable_capture``); ``DFlashProposer`` reads a request's committed positions' features through
-its page table, runs the drafter's block ``[pending, MASK...]`` and proposes its argmax drafts. A
-request whose block would pass ``max_model_len`` decodes plainly. Drafts never change the
+its page table, runs the drafter's block ``[pending, MASK...]`` and proposes its argmax drafts.
+cuda: every forward writes the drafter's context K/V of its tokens into the drafter's own
+layers of the paged pool, and ``CudaDFlashProposer`` runs the block over them (eagerly, one
+request at a time; not yet inside the verify graph). A request whose block would pass
+``max_model_len`` decodes plainly. Drafts never change the
 output (verification alone decides), only how many tokens a step commits.
 """
 
@@ -158,19 +161,24 @@ class SpeculativeConfig:
 
     def check(self, target: ModelConfig, backend: str, tensor_parallel_size: int) -> None:
         """What only the engine's model and backend can tell: a dflash drafter must fit the
-        target model and, for now, run on the numpy backend with one rank."""
+        target model (on cuda also its kernels: ``check_cuda_drafter``) and run with one
+        rank."""
         if self.method != "dflash":
             return
-        if backend != "numpy" or tensor_parallel_size != 1:
+        if tensor_parallel_size != 1:
             raise ConfigError(
-                "speculative_config.method 'dflash' runs on the numpy backend (with "
-                "tensor_parallel_size 1) so far; the cuda drafter is not built yet: use "
-                "--backend numpy, or method 'ngram' on cuda")
+                "speculative_config.method 'dflash' runs with tensor_parallel_size 1 so far; "
+                "use method 'ngram' with tensor parallelism")
         from engine.model.dflash import DFlashConfig
 
         assert self.model is not None
-        DFlashConfig.from_pretrained(self.model).check_target(
-            target, f"speculative_config.model {self.model!r}")
+        field = f"speculative_config.model {self.model!r}"
+        dc = DFlashConfig.from_pretrained(self.model)
+        dc.check_target(target, field)
+        if backend == "cuda":
+            from engine.executor.cuda_dflash import check_cuda_drafter
+
+            check_cuda_drafter(dc, target, field)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -247,16 +255,20 @@ class DFlashProposer:
 
 
 def build_dflash_proposer(spec: SpeculativeConfig, target: ModelConfig, executor: Any,
-                          block_manager: Any, max_model_len: int) -> DFlashProposer:
-    """Load ``spec.model`` (checked against ``target``), turn on the executor's hidden-state
-    capture of the drafter's target layers and return the proposer. The drafter borrows the
-    target's embedding and lm_head from the executor's reference model (numpy backend)."""
+                          block_manager: Any, max_model_len: int) -> Any:
+    """The proposer of ``spec.model`` (checked against ``target``). cuda: the executor built
+    the drafter with its memory plan (engine/executor/cuda_dflash.py). numpy: load it, turn on
+    the executor's hidden-state capture of the drafter's target layers; the drafter borrows the
+    target's embedding and lm_head from the executor's reference model."""
     from engine.model.dflash import DFlashDrafter, load_drafter
 
+    cuda = getattr(executor, "dflash_proposer", None)
+    if cuda is not None:
+        return cuda(block_manager, max_model_len)
     enable, model = getattr(executor, "enable_capture", None), getattr(executor, "model", None)
     if enable is None or model is None:
-        raise ConfigError("speculative_config.method 'dflash' runs on the numpy backend so far; "
-                          "use --backend numpy")
+        raise ConfigError("speculative_config.method 'dflash' needs the numpy or the cuda "
+                          "backend (one rank)")
     assert spec.model is not None
     ckpt = load_drafter(spec.model, target)
     store = enable(ckpt.config.target_layer_ids)

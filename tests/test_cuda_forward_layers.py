@@ -60,7 +60,7 @@ def _executor(fused_max: dict[str, int] | None = None, rope_in_attention: bool =
     e.weights = SimpleNamespace(embed="w_embed", norm="final_norm",
                                 layers=[dict(layer) for _ in range(LAYERS)])
     e.stream, e.scale = None, 0.1
-    e.mc = SimpleNamespace(rms_norm_eps=1e-6, vocab_size=1000)
+    e.mc = SimpleNamespace(rms_norm_eps=1e-6, vocab_size=1000, num_hidden_layers=LAYERS)
     e.sizes = SimpleNamespace(pages_per_seq=4, max_pos=64)
     e.k_cache, e.v_cache = ["k"] * LAYERS, ["v"] * LAYERS
     e.decode_splits = lambda n: 1
@@ -140,3 +140,38 @@ def test_gemms_that_disagree_on_fusing_are_an_error_before_any_launch(gemm: str)
     assert e.log == []
     e.forward(64, 64, True, 1, 1)  # where all four fuse: the fused layer
     assert {x[-1] for x in _gemms(e.log)} == {"fused"}
+
+
+class _Drafter:
+    """A DFlash drafter's hooks (engine/executor/cuda_dflash.py), logged."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def capture(self, layer, resid, t, st) -> None:
+        self.log.append(("capture", layer, resid, t))
+
+    def materialize(self, ex, t) -> None:
+        self.log.append(("materialize", t))
+
+
+@pytest.mark.parametrize("args", [(16, 16, True, 1, 1), (300, 2, False, 200, 1)],
+                         ids=["fused", "unfused"])
+def test_a_drafter_captures_each_layers_finished_residual_then_materializes(args) -> None:
+    """Fused: a layer's residual is final after its down GEMM adds into it; unfused: after the
+    next add_norm (the final one for the last layer). The context K/V come last, once."""
+    e = _executor()
+    e.dflash = _Drafter(e.log)
+    e.forward(*args)
+    names = [x[0] for x in e.log]
+    caps = [i for i, n in enumerate(names) if n == "capture"]
+    assert [e.log[i][1] for i in caps] == list(range(LAYERS))
+    assert all(e.log[i][2:] == ("resid", args[0]) for i in caps)
+    fused = args[2]
+    for i in caps:
+        prev = e.log[i - 1][0]
+        assert prev == ("down" if fused else "add_norm")
+    assert names[-1] == "materialize" and names.count("materialize") == 1
+    assert e.log[-1] == ("materialize", args[0])
+    if not fused:  # the last layer's capture follows the final add_norm
+        assert names[-3:] == ["add_norm", "capture", "materialize"]

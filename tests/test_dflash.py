@@ -25,7 +25,12 @@ from engine.model.dflash import (
 )
 from engine.model.loader import CheckpointError
 from engine.model.safetensors_io import open_tensors, save_file
-from engine.model.synthetic import drafter_config, hf_config, make_drafter_weights
+from engine.model.synthetic import (
+    drafter_config,
+    hf_config,
+    make_drafter_weights,
+    write_checkpoint,
+)
 from engine.speculative import DFlashProposer, SpeculativeConfig
 from tests.test_speculative import _ids, _issue_681, _no_pages_left, _params, _prompts
 
@@ -209,13 +214,24 @@ def test_speculative_config_for_dflash(drafter: Path) -> None:
             SpeculativeConfig.parse(value)
     args = EngineArgs.from_kwargs(speculative_config=_spec(drafter))
     assert args.create_engine_config(MC, "numpy").speculative_config.model == str(drafter)
-    with pytest.raises(ConfigError, match="runs on the numpy backend"):
-        args.create_engine_config(MC, "cuda")
-    with pytest.raises(ConfigError, match="runs on the numpy backend"):
+    assert args.create_engine_config(MC, "cuda").speculative_config.model == str(drafter)
+    with pytest.raises(ConfigError, match="runs with tensor_parallel_size 1"):
         EngineArgs.from_kwargs(speculative_config=_spec(drafter), tensor_parallel_size=2
                                ).create_engine_config(MC, "numpy")
     with pytest.raises(ConfigError, match="does not fit the target model"):
         args.create_engine_config(ModelConfig.from_dict(hf_config("small-qwen3")), "numpy")
+
+
+def test_the_cuda_drafter_needs_the_targets_intermediate_size(tmp_path: Path) -> None:
+    """The cuda drafter shares the target's SiLU kernel: another intermediate size is refused
+    on cuda (naming the field and the numpy backend), accepted on numpy."""
+    d = write_checkpoint(tmp_path / "d", "tiny-qwen3-dflash",
+                         overrides={"intermediate_size": 512}, quiet=True)
+    args = EngineArgs.from_kwargs(speculative_config=_spec(d))
+    assert args.create_engine_config(MC, "numpy").speculative_config.model == str(d)
+    with pytest.raises(ConfigError, match=r"intermediate_size 512 differs from the target "
+                       r"model's 256.*--backend numpy"):
+        args.create_engine_config(MC, "cuda")
 
 
 def test_dflash_draft_model_path_is_the_speculative_config_alias(drafter: Path) -> None:

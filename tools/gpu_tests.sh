@@ -42,12 +42,13 @@ declare -A G=(
   [upload]="tests/gpu/test_weight_upload.py tests/gpu/test_staged_inputs.py"
   [logits]="tests/gpu/test_logits_process.py"
   [spec]="tests/gpu/test_speculative.py"
+  [dflash]="tests/gpu/test_dflash_cuda.py"
   [mixed]="tests/gpu/test_mixed_steps.py"
   [async]="tests/gpu/test_async.py"
   [read]="tests/gpu/test_read_stream.py"
   [fold]="tests/gpu/test_kernels_pointwise.py -k scale_cols"
 )
-TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec mixed async read fold"}
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec dflash mixed async read fold"}
 for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \

@@ -353,6 +353,40 @@ class DeviceBuffer:
             check(cu.cuMemcpyDtoDAsync(self.ptr, src.ptr, n, stream.handle), "cuMemcpyDtoDAsync")
 
 
+    def copy_rows_from(self, src: DeviceBuffer, rows: int, width: int, src_pitch: int,
+                       dst_pitch: int, stream: Stream, dst_offset: int = 0,
+                       src_offset: int = 0) -> None:
+        """Device-to-device pitched copy: ``rows`` rows of ``width`` bytes from ``src`` (row
+        pitch ``src_pitch``) into this buffer at ``dst_offset`` (row pitch ``dst_pitch``). One
+        memcpy node under graph capture."""
+        if rows <= 0 or width <= 0:
+            return
+        if (width > min(src_pitch, dst_pitch)
+                or dst_offset + (rows - 1) * dst_pitch + width > self.nbytes
+                or src_offset + (rows - 1) * src_pitch + width > src.nbytes):
+            raise CudaError(f"copy_rows_from of {rows}x{width} B (pitches {src_pitch} -> "
+                            f"{dst_pitch}, offsets {src_offset} -> {dst_offset}) outside a "
+                            f"{src.nbytes} B -> {self.nbytes} B buffer")
+        cu = _cu()
+        p = cu.CUDA_MEMCPY2D()
+        p.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.srcDevice = src.ptr + src_offset
+        p.srcPitch = src_pitch
+        p.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        p.dstDevice = self.ptr + dst_offset
+        p.dstPitch = dst_pitch
+        p.WidthInBytes = width
+        p.Height = rows
+        check(cu.cuMemcpy2DAsync(p, stream.handle), "cuMemcpy2DAsync")
+
+    def view(self, offset: int, nbytes: int | None = None) -> DeviceBuffer:
+        """The bytes ``[offset, offset + nbytes)`` of this buffer (default: to its end)."""
+        n = self.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise CudaError(f"view [{offset}, {offset + n}) outside a {self.nbytes} B buffer")
+        return DeviceBuffer(self.ptr + offset, n, owner=self)
+
+
 class Allocation:
     """One cuMemAlloc, freed when closed (or at exit)."""
 

@@ -16,12 +16,12 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine import envs
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfig
 from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream, check
 from engine.executor.base import Executor, ExecutorError
 from engine.executor.cuda_model import (
@@ -39,6 +39,9 @@ from engine.model.loader import Checkpoint
 from engine.step import Logprobs, ProcessorRows, StepBatch, StepOutput
 from graphs.buckets import bucket_for, bucket_sizes
 from graphs.runner import DecodePlan, GraphRunner
+
+if TYPE_CHECKING:
+    from engine.executor.cuda_dflash import CudaDrafter
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +97,9 @@ def _copy_runs(src_ptr: int, dst_ptr: int, src_rows: np.ndarray, stream: Stream)
 
 
 class CudaExecutor(Executor):
+    # a DFlash drafter (engine/executor/cuda_dflash.py), with speculative_config "dflash"
+    dflash: CudaDrafter | None = None
+
     def __init__(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool = True) -> None:
         check_supported(ckpt.config, config.block_size)  # before any GPU work; widths are padded
         t0 = time.perf_counter()
@@ -105,6 +111,8 @@ class CudaExecutor(Executor):
             t1 = time.perf_counter()
             self.kernels = pending.result()
             self.weights.fold_norms(self.kernels.fold, self.stream)
+            if self.dflash is not None:
+                self.dflash.compile()
         except BaseException:
             pending.cancel()
             raise
@@ -165,7 +173,11 @@ class CudaExecutor(Executor):
         self.scale = mc.head_dim ** -0.5
         free, total = self.ctx.mem_info()
         ws = self._workspace_bytes()
-        self.num_pages, arena_bytes = plan_num_pages(mc, config, free, total, ws)
+        # a DFlash drafter (speculative_config method "dflash"): its weights, buffers and
+        # K/V pages share the arena (engine/executor/cuda_dflash.py)
+        draft_ckpt, extra, extra_layers = self._drafter_plan(mc, config)
+        self.num_pages, arena_bytes = plan_num_pages(mc, config, free, total, ws, extra,
+                                                     extra_layers)
         self.arena = Arena(arena_bytes)
         t2 = time.perf_counter()
         self.weights = DeviceWeights(ckpt, self.arena, self.stream, show=verbose)
@@ -185,6 +197,40 @@ class CudaExecutor(Executor):
         self.v_cache = [self.arena.alloc(kv_shape, BF16, f"v{i}")
                         for i in range(mc.num_hidden_layers)]
         self.kv_bytes = self.num_pages * kv_bytes_per_page(mc, self.page_size)
+        if draft_ckpt is not None:
+            from engine.executor.cuda_dflash import CudaDrafter
+
+            self.dflash = CudaDrafter(draft_ckpt, mc, self.page_size, s.t_max, s.pages_per_seq,
+                                      self.num_pages, self.arena, self.stream)
+
+    def _drafter_plan(self, mc: ModelConfig, config: EngineConfig
+                      ) -> tuple[Any, int, int]:
+        """(drafter checkpoint, fixed bytes, KV layers) of a DFlash drafter, (None, 0, 0)
+        without one."""
+        spec = config.speculative_config
+        if spec is None or spec.method != "dflash":
+            return None, 0, 0
+        from engine.executor.cuda_dflash import (
+            DrafterShapes,
+            check_cuda_drafter,
+            drafter_fixed_bytes,
+        )
+        from engine.model.dflash import load_drafter
+
+        ckpt = load_drafter(spec.model, mc)
+        check_cuda_drafter(ckpt.config, mc, f"speculative_config.model {spec.model!r}")
+        shapes = DrafterShapes.of(mc, ckpt.config, self.page_size)
+        s = self.sizes
+        return ckpt, drafter_fixed_bytes(shapes, s.t_max, s.pages_per_seq), shapes.n_layers
+
+    def dflash_proposer(self, block_manager: Any, max_model_len: int) -> Any:
+        """The proposer seam's DFlash drafter (engine/speculative.py)."""
+        from engine.executor.cuda_dflash import CudaDFlashProposer
+
+        if self.dflash is None:
+            raise ExecutorError("this executor was built without a DFlash drafter "
+                                "(speculative_config method 'dflash')")
+        return CudaDFlashProposer(self, block_manager, max_model_len)
 
     def _num_splits(self, batch: int, max_context: int) -> int:
         from cutlass_kernels.decode_plan import choose_num_splits
@@ -336,6 +382,10 @@ class CudaExecutor(Executor):
         # plain decode (one token per sequence, its slot at position ctx - 1): rope's work in
         # the attention's prologue, five nodes a layer; verify rows read each other's new K / V
         rope_in_attention = decode and tile_as is None and self._rope_in_attention
+        # a DFlash drafter: the residual rows leaving its target layers (complete after the
+        # layer's down adds into resid, or, unfused, after the next add_norm), and at the end
+        # the context K/V of the step's tokens in its own pages
+        draft = self.dflash
         k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
         for li, lw in enumerate(w.layers):
             if fused:
@@ -345,6 +395,8 @@ class CudaExecutor(Executor):
                     k.norm(buf.resid, None, buf.ones, buf.h, t, eps, st)
                 else:
                     k.add_norm(buf.delta, buf.resid, buf.ones, buf.h, t, eps, st)
+                    if draft is not None:
+                        draft.capture(li - 1, buf.resid, t, st)
                 k.qkv.unfused(buf.h, lw["qkv"], buf.qkv, t, st, tile_as)
             if rope_in_attention:
                 k.decode_rope(buf.qkv, buf.positions, buf.slot_mapping, lw.get("q_norm"),
@@ -372,6 +424,8 @@ class CudaExecutor(Executor):
                 k.o(buf.attn, lw["o"], buf.resid, t, st, tile_as)
                 k.gate_up(buf.resid, lw["gate_up"], buf.act, t, st, tile_as)
                 k.down(buf.act, lw["down"], buf.resid, t, st, tile_as)
+                if draft is not None:
+                    draft.capture(li, buf.resid, t, st)
             else:
                 k.o.unfused(buf.attn, lw["o"], buf.delta, t, st, tile_as)
                 k.add_norm(buf.delta, buf.resid, buf.ones, buf.h, t, eps, st)
@@ -382,6 +436,10 @@ class CudaExecutor(Executor):
             k.norm(buf.resid, None, w.norm, buf.h, t, eps, st)
         else:
             k.add_norm(buf.delta, buf.resid, w.norm, buf.h, t, eps, st)
+            if draft is not None:
+                draft.capture(mc.num_hidden_layers - 1, buf.resid, t, st)
+        if draft is not None:
+            draft.materialize(self, t)
 
     def logits(self, num_tokens: int, row_offset: int, n: int, tile_as: int | None = None
                ) -> None:

@@ -145,12 +145,15 @@ def fixed_bytes(mc: ModelConfig, s: Sizes, workspace: int) -> int:
 
 
 def plan_num_pages(mc: ModelConfig, ec: EngineConfig, free: int, total: int,
-                   workspace: int) -> tuple[int, int]:
-    """(num_pages, arena bytes). Raises CudaError naming the numbers when nothing fits."""
+                   workspace: int, extra_fixed: int = 0, extra_layers: int = 0
+                   ) -> tuple[int, int]:
+    """(num_pages, arena bytes). ``extra_fixed`` bytes and ``extra_layers`` more layers of KV
+    pages (a DFlash drafter's: engine/executor/cuda_dflash.py) come out of the same budget.
+    Raises CudaError naming the numbers when nothing fits."""
     s = Sizes.of(mc, ec)
-    fixed = fixed_bytes(mc, s, workspace)
+    fixed = fixed_bytes(mc, s, workspace) + extra_fixed
     per_page = kv_bytes_per_page(mc, ec.block_size) // (2 * mc.num_hidden_layers)
-    kv_arrays = 2 * mc.num_hidden_layers
+    kv_arrays = 2 * (mc.num_hidden_layers + extra_layers)
     if ec.num_gpu_blocks_override is not None:
         n = ec.num_gpu_blocks_override
     else:

@@ -1,0 +1,195 @@
+"""The DFlash drafter on cuda (engine/executor/cuda_dflash.py): its draft logits against the
+numpy drafter (engine/model/dflash.py) over the features the GPU captured, at contexts that end
+inside a page and on a page boundary, short and long (split-KV); speculative decoding with it
+gives plain decoding's tokens (greedy and seeded, one request at a time and a batch of 64,
+prefix caching off with chunked prefill, a pool small enough to preempt); the #681 capacity
+scenario completes with the free pages back after each request."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.model.dflash import DFlashDrafter, load_drafter
+from engine.model.loader import load_checkpoint
+from engine.model.synthetic import write_checkpoint
+from tests.gpu.helpers import report
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dflash") / "m", "small-qwen3", seed=9,
+                            overrides={"num_hidden_layers": 3}, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    # small-qwen3's shapes; its layers 0 and 2 captured
+    return write_checkpoint(
+        tmp_path_factory.mktemp("dflash") / "d", "tiny-qwen3-dflash", seed=5, quiet=True,
+        overrides={"hidden_size": 256, "intermediate_size": 768, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936,
+                   "max_position_embeddings": 40960, "num_target_layers": 3,
+                   "mask_token_id": 151669, "target_layer_ids": [0, 2]})
+
+
+def _spec(drafter, **kw):
+    return {"method": "dflash", "model": str(drafter), **kw}
+
+
+def _ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_cuda_draft_logits_match_the_numpy_drafter(target, drafter):
+    """At each request's first proposal (right after its one-step prefill, whose captured
+    features are still in ``feats``): the cuda block's logits against the numpy drafter's
+    over those features, and the proposed drafts are the argmax of the cuda logits."""
+    rng = np.random.default_rng()
+    llm = LLM(str(target), backend="cuda", max_model_len=2048, speculative_config=_spec(drafter))
+    ex = llm.engine.executor
+    d, mc = ex.dflash, llm.engine.model_config
+    assert d is not None
+    ckpt = load_checkpoint(str(target))
+    embed = np.asarray(ckpt["model.embed_tokens.weight"], np.float32)  # tied: also lm_head
+    ref = DFlashDrafter(load_drafter(str(drafter), mc), embed, embed, mc.rope_scaling)
+    prop, seen = llm.engine.scheduler.proposer, []
+    s = d.shapes
+    bb, h, v = s.block, s.hidden, mc.vocab_size
+
+    def spy(req, k):
+        n = req.num_computed_tokens
+        if req.request_id not in {x["id"] for x in seen}:
+            feats = d.buf.feats.download(np.empty(d.buf.feats.nbytes // 2, BF16))
+            feats = feats.reshape(-1, s.n_capture * h)[:n].astype(np.float32)
+            pending = req.token_slice(n, 1)[0]
+            pages = np.frombuffer(llm.engine.block_manager.page_table_view(req.request_id),
+                                  np.int32)
+            d.logits(ex, n, pending, pages)
+            got = d.buf.logits.download(np.empty((bb, s.vocab), np.float32), ex.stream)
+            ex.stream.synchronize()
+            got = got[:bb - 1, :v]
+            want = ref.logits(feats, pending)
+            drafts = prop(req, k)
+            scale = float(np.abs(want).max())
+            err = float(np.abs(got - want).max())
+            cos = [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+                   for a, b in zip(got, want, strict=True)]
+            seen.append({"id": req.request_id, "n": n, "err": err, "scale": scale,
+                         "min_cos": min(cos), "argmax_agree": int(
+                             (got.argmax(-1) == want.argmax(-1)).sum()),
+                         "drafts_are_argmax": drafts == got.argmax(-1)[:len(drafts)].tolist()})
+            return drafts
+        return prop(req, k)
+
+    llm.engine.scheduler.proposer = spy
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for n in (37, 48, 16, 700, 1025):  # inside a page, on boundaries, long (split-KV)
+        llm.generate([rng.integers(5, v, n).tolist()], [sp])
+    report({"test": "dflash_cuda_logits", "rows": seen})
+    assert [x["n"] for x in seen] == [37, 48, 16, 700, 1025]
+    for x in seen:
+        assert x["err"] <= 0.03 * x["scale"] + 0.02, x
+        assert x["min_cos"] > 0.999, x
+        assert x["argmax_agree"] >= bb - 3, x
+        assert x["drafts_are_argmax"], x
+
+
+def _prompts(rng, n, vocab):
+    return [rng.integers(5, vocab, int(rng.integers(4, 300))).tolist() for _ in range(n)]
+
+
+def _params(rng, n):
+    return [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_k=0 if i % 2 == 0 else 40,
+                           seed=None if i % 2 == 0 else int(rng.integers(1 << 30)),
+                           max_tokens=int(rng.integers(20, 60)), ignore_eos=True)
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("opts", [
+    {},
+    {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
+    {"num_gpu_blocks_override": 40, "max_num_seqs": 4},
+], ids=["prefix-cache", "no-cache-chunked", "preempting"])
+def test_dflash_on_cuda_is_lossless(target, drafter, opts):
+    """One request at a time, then a batch (64, or 8 through a 40-page pool that preempts):
+    outputs with the cuda drafter equal plain decoding's (greedy and seeded), a second round
+    over cached prefixes too; the drafter runs (draft tokens counted) and no page is left."""
+    rng = np.random.default_rng()
+    vocab = ModelConfig.from_pretrained(target).vocab_size
+    base = dict(backend="cuda", max_model_len=1024)
+    base.update({"max_num_seqs": 64, **opts})
+    prompts, params = _prompts(rng, 6, vocab), _params(rng, 6)
+    many_n = 8 if "num_gpu_blocks_override" in opts else 64
+    many, many_params = _prompts(rng, many_n, vocab), _params(rng, many_n)
+    again = [p + [7, 8] for p in prompts[::2]]
+    plain = LLM(str(target), **base)
+    want_one = [_ids(plain.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
+    want_again = [_ids(plain.generate([p], [sp]))[0]
+                  for p, sp in zip(again, params[::2], strict=True)]
+    want_many = _ids(plain.generate(many, many_params))
+    del plain
+    spec = LLM(str(target), speculative_config=_spec(drafter), **base)
+    outs = [spec.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
+    assert _ids(outs) == want_one
+    assert [_ids(spec.generate([p], [sp]))[0]
+            for p, sp in zip(again, params[::2], strict=True)] == want_again
+    assert _ids(spec.generate(many, many_params)) == want_many
+    drafted = sum(o.metrics.get("spec_draft_tokens", 0) for o in outs)
+    g = spec.engine.gauges()["spec"]
+    assert drafted > 0 and g["draft_tokens"] > 0
+    if "num_gpu_blocks_override" in opts:
+        assert spec.engine.scheduler.num_preemptions > 0
+    assert spec.engine.block_manager.gauges()["live"] == 0
+    report({"test": "dflash_cuda_lossless", "opts": opts, "drafted": drafted,
+            "accepted": sum(o.metrics.get("spec_accepted_tokens", 0) for o in outs),
+            "preemptions": spec.engine.scheduler.num_preemptions})
+
+
+def test_oracle_drafts_through_the_cuda_drafter_are_accepted(target, drafter):
+    """The cuda drafter runs (its drafts checked for shape), but the proposal handed on is the
+    plain run's continuation: every draft is accepted and the output is unchanged."""
+    rng = np.random.default_rng()
+    vocab = ModelConfig.from_pretrained(target).vocab_size
+    prompts, params = _prompts(rng, 4, vocab), _params(rng, 4)
+    plain = LLM(str(target), backend="cuda", max_model_len=1024)
+    want = [_ids(plain.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
+    del plain
+    future = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+    spec = LLM(str(target), backend="cuda", max_model_len=1024,
+               speculative_config=_spec(drafter))
+    real = spec.engine.scheduler.proposer
+
+    def oracle(req, k):
+        drafts = real(req, k)
+        assert len(drafts) == k and all(0 <= t < vocab for t in drafts)
+        return future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+
+    spec.engine.scheduler.proposer = oracle
+    outs = [spec.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
+    assert _ids(outs) == want
+    m = [o.metrics for o in outs]
+    assert all(x["spec_draft_tokens"] > 0 for x in m)
+    assert all(x["spec_accepted_tokens"] == x["spec_draft_tokens"] for x in m)
+
+
+def test_issue_681_scenario_with_the_cuda_drafter(target, drafter):
+    """161 pages, prefix caching off, 20 requests of ~1,650 + 512 tokens, DFlash k = 15, greedy
+    and T = 0.8: every request completes and the free pages return to the baseline after
+    each (tests/test_speculative.py ``_issue_681``)."""
+    from tests.test_speculative import _issue_681
+
+    llm = LLM(str(target), backend="cuda", num_gpu_blocks_override=161,
+              enable_prefix_caching=False, max_model_len=2304, max_num_seqs=8,
+              speculative_config=_spec(drafter))
+    assert llm.engine.config.speculative_config.num_speculative_tokens == 15
+    free = _issue_681(llm, np.random.default_rng(), llm.engine.model_config.vocab_size)
+    g = llm.engine.gauges()["spec"]
+    assert g["draft_tokens"] > 0 and g["drafts"] > 0
+    report({"test": "issue_681_dflash_cuda", "free_after_each": free[:3], "spec": {
+        k: g[k] for k in ("draft_tokens", "accepted_tokens", "drafts")}})
