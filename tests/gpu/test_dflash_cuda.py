@@ -114,7 +114,7 @@ def _params(rng, n):
 @pytest.mark.parametrize("opts", [
     {},
     {"enable_prefix_caching": False, "max_num_batched_tokens": 64},
-    {"num_gpu_blocks_override": 40, "max_num_seqs": 4},
+    {"num_gpu_blocks_override": 40, "max_num_seqs": 4, "max_model_len": 512},
 ], ids=["prefix-cache", "no-cache-chunked", "preempting"])
 def test_dflash_on_cuda_is_lossless(target, drafter, opts):
     """One request at a time, then a batch (64, or 8 through a 40-page pool that preempts):
@@ -122,8 +122,9 @@ def test_dflash_on_cuda_is_lossless(target, drafter, opts):
     over cached prefixes too; the drafter runs (draft tokens counted) and no page is left."""
     rng = np.random.default_rng()
     vocab = ModelConfig.from_pretrained(target).vocab_size
-    base = dict(backend="cuda", max_model_len=1024)
-    base.update({"max_num_seqs": 64, **opts})
+    # a pool of its own size (the plain engine's memory may not be back yet)
+    base = {"backend": "cuda", "max_model_len": 1024, "max_num_seqs": 64,
+            "num_gpu_blocks_override": 64 * 24 + 8, **opts}
     prompts, params = _prompts(rng, 6, vocab), _params(rng, 6)
     many_n = 8 if "num_gpu_blocks_override" in opts else 64
     many, many_params = _prompts(rng, many_n, vocab), _params(rng, many_n)
@@ -157,12 +158,12 @@ def test_oracle_drafts_through_the_cuda_drafter_are_accepted(target, drafter):
     rng = np.random.default_rng()
     vocab = ModelConfig.from_pretrained(target).vocab_size
     prompts, params = _prompts(rng, 4, vocab), _params(rng, 4)
-    plain = LLM(str(target), backend="cuda", max_model_len=1024)
+    opts = dict(backend="cuda", max_model_len=1024, num_gpu_blocks_override=16 * 64 + 8)
+    plain = LLM(str(target), **opts)
     want = [_ids(plain.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
     del plain
     future = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
-    spec = LLM(str(target), backend="cuda", max_model_len=1024,
-               speculative_config=_spec(drafter))
+    spec = LLM(str(target), speculative_config=_spec(drafter), **opts)
     real = spec.engine.scheduler.proposer
 
     def oracle(req, k):
