@@ -1,7 +1,7 @@
 """Speculative decoding against plain decoding on one backend: token agreement, acceptance, speed.
 
     python -m tools.bench_spec --model DIR [--backend cuda] [--k 4] [--requests 8] [--out f.json]
-        [--proposer ngram|oracle] [--workload repeat|copy] [--prompt-len N]
+        [--proposer ngram|oracle] [--workload repeat|copy] [--prompt-len N] [--drafter DIR]
 
 The same requests run plainly and with speculation (``--k`` drafts), one at a time (batch 1,
 where speculation pays) and then all together: outputs compared token for token (greedy and
@@ -9,6 +9,8 @@ seeded), drafted / accepted counts, and output tokens per second of each.
 
 Proposers: ``ngram`` (prompt lookup, vLLM's); ``oracle`` proposes the plain run's own
 continuation (every draft right: the ceiling of a perfect drafter, the verify step's cost alone).
+``--drafter DIR``: a DFlash drafter proposes (method dflash); with ``--proposer oracle`` it still
+runs every step but the oracle's drafts are used: a perfect drafter at the real drafter's cost.
 Workloads: ``repeat`` (default): token prompts that repeat a random phrase to ``--prompt-len``
 tokens, the case prompt lookup is for; ``copy``: text prompts that ask a model to write a code
 snippet out again (an edit-like, copy-heavy answer: with a real checkpoint the answer repeats the
@@ -83,15 +85,20 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
               if i % 2 == 0 else
               SamplingParams(temperature=0.8, top_k=40, seed=1000 + i, max_tokens=a.max_tokens,
                              ignore_eos=True) for i in range(a.requests)]
+    method = ({"method": "dflash", "model": a.drafter} if a.drafter else {"method": "ngram"})
     extra = {} if mode == "plain" else {"speculative_config": {
-        "method": "ngram", "num_speculative_tokens": a.k}}
+        **method, "num_speculative_tokens": a.k}}
     llm = LLM(a.model, backend=a.backend, max_num_seqs=max(a.requests, 1),
               max_model_len=max(1024, a.prompt_len + a.max_tokens + 64), **extra)
     if mode == "spec" and a.proposer == "oracle":
         with open(a.future) as f:  # the plain run's (prompt ids, output ids), one at a time
             future = {tuple(p): o for p, o in json.load(f)}
 
+        drafter = llm.engine.scheduler.proposer if a.drafter else None
+
         def oracle(req, k):
+            if drafter is not None:  # the drafter runs (its cost counts), the oracle proposes
+                drafter(req, k)
             return future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
 
         llm.engine.scheduler.proposer = oracle
@@ -124,6 +131,9 @@ def main() -> None:
     ap.add_argument("--workload", choices=("repeat", "copy"), default="repeat")
     ap.add_argument("--prompt-len", type=int, default=96,
                     help="repeat workload: prompt tokens (context = this + max_tokens)")
+    ap.add_argument("--drafter", default=None,
+                    help="a DFlash drafter directory: speculate with it (method dflash); with "
+                         "--proposer oracle the drafter still runs, the oracle's drafts are used")
     ap.add_argument("--future", default=None, help=argparse.SUPPRESS)  # oracle: plain outputs
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -140,6 +150,8 @@ def main() -> None:
                 a.backend, "--k", str(a.k), "--requests", str(a.requests), "--max-tokens",
                 str(a.max_tokens), "--mode", mode, "--proposer", a.proposer, "--workload",
                 a.workload, "--prompt-len", str(a.prompt_len), "--future", future.name]
+        if a.drafter:
+            argv += ["--drafter", a.drafter]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         runs[mode] = json.loads(out.strip().splitlines()[-1])
         if mode == "plain":
@@ -147,7 +159,8 @@ def main() -> None:
                       future)
             future.close()
     res: dict = {"k": a.k, "requests": a.requests, "max_tokens": a.max_tokens,
-                 "proposer": a.proposer, "workload": a.workload, "prompt_len": a.prompt_len}
+                 "proposer": a.proposer, "workload": a.workload, "prompt_len": a.prompt_len,
+                 "drafter": a.drafter}
     for mode, r in runs.items():
         res[mode] = {k: v for k, v in r.items() if k not in ("batch1", "batched", "prompt_ids")}
     for kind in ("batch1", "batched"):
