@@ -33,16 +33,14 @@ SiLU kernel and buffers).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from engine.config import ConfigError, ModelConfig
+from engine.executor.cuda_model import GATE_UP_BLOCK
 from engine.executor.cuda_shapes import Padded, pad_to
-
-GATE_UP_BLOCK = 32  # cuda_model.GATE_UP_BLOCK (the skinny GEMM's SiLU epilogue order)
 
 
 def check_cuda_drafter(dc: Any, target: ModelConfig, field: str) -> None:
@@ -361,6 +359,4 @@ class CudaDFlashProposer:
             return []
         pending = req.token_slice(n, 1)[0]
         pages = np.frombuffer(self.bm.page_table_view(req.request_id), np.int32)
-        if pages.shape[0] < math.ceil(n / self.drafter.shapes.page_size):
-            return []  # (never: a decoding request's table covers its computed positions)
         return self.drafter.propose(self.executor, n, pending, pages)[:k].tolist()
