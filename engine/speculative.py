@@ -161,7 +161,7 @@ class SpeculativeConfig:
 
     def check(self, target: ModelConfig, backend: str, tensor_parallel_size: int) -> None:
         """What only the engine's model and backend can tell: a dflash drafter must fit the
-        target model (on cuda also its kernels: ``check_cuda_drafter``) and run with one
+        target model (on cuda also its kernels: ``DFlashConfig.check_cuda``) and run with one
         rank."""
         if self.method != "dflash":
             return
@@ -176,9 +176,7 @@ class SpeculativeConfig:
         dc = DFlashConfig.from_pretrained(self.model)
         dc.check_target(target, field)
         if backend == "cuda":
-            from engine.executor.cuda_dflash import check_cuda_drafter
-
-            check_cuda_drafter(dc, target, field)
+            dc.check_cuda(target, field)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

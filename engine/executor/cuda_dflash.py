@@ -38,20 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import ModelConfig
 from engine.executor.cuda_model import GATE_UP_BLOCK
 from engine.executor.cuda_shapes import Padded, pad_to
-
-
-def check_cuda_drafter(dc: Any, target: ModelConfig, field: str) -> None:
-    """What the cuda drafter needs beyond ``DFlashConfig.check_target``: ConfigError naming
-    the field."""
-    if dc.intermediate_size != target.intermediate_size:
-        raise ConfigError(
-            f"{field}: the drafter's intermediate_size {dc.intermediate_size} differs from the "
-            f"target model's {target.intermediate_size}; the cuda drafter runs the target's "
-            "SiLU kernel (every z-lab DFlash checkpoint matches its target): use "
-            "--backend numpy for this drafter")
 
 
 def scratch_pages(page_size: int, block_size: int) -> int:

@@ -212,13 +212,12 @@ class CudaExecutor(Executor):
             return None, 0, 0
         from engine.executor.cuda_dflash import (
             DrafterShapes,
-            check_cuda_drafter,
             drafter_fixed_bytes,
         )
         from engine.model.dflash import load_drafter
 
         ckpt = load_drafter(spec.model, mc)
-        check_cuda_drafter(ckpt.config, mc, f"speculative_config.model {spec.model!r}")
+        ckpt.config.check_cuda(mc, f"speculative_config.model {spec.model!r}")
         shapes = DrafterShapes.of(mc, ckpt.config, self.page_size)
         s = self.sizes
         return ckpt, drafter_fixed_bytes(shapes, s.t_max, s.pages_per_seq), shapes.n_layers

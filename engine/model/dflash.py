@@ -220,6 +220,16 @@ class DFlashConfig:
                               + "; ".join(problems)
                               + "; use the drafter trained for this target model")
 
+    def check_cuda(self, target: ModelConfig, source: str = "the DFlash drafter") -> None:
+        """What the cuda drafter needs beyond ``check_target``: it runs the target's fused SiLU
+        kernel, so its intermediate_size must be the target's. ConfigError naming the field."""
+        if self.intermediate_size != target.intermediate_size:
+            raise ConfigError(
+                f"{source}: the drafter's intermediate_size {self.intermediate_size} differs "
+                f"from the target model's {target.intermediate_size}; the cuda drafter runs the "
+                "target's SiLU kernel (every z-lab DFlash checkpoint matches its target): use "
+                "--backend numpy for this drafter")
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """z-lab's default ``target_layer_ids``: ``round(1 + i * (N - 4) / (n - 1))`` spread from
