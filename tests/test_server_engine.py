@@ -36,7 +36,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 
 def test_deltas_add_up_and_lagging_consumers_get_merged_deltas(engine: AsyncEngine) -> None:
-    async def run(lag: float) -> tuple[list[int], int, StreamDelta]:
+    async def run(lag: bool) -> tuple[list[int], int, StreamDelta]:
         stream = await engine.add([5, 6, 7, 8], GREEDY, f"r-{lag}")
         toks: list[int] = []
         n = 0
@@ -46,15 +46,18 @@ def test_deltas_add_up_and_lagging_consumers_get_merged_deltas(engine: AsyncEngi
             toks += d.token_ids
             n += 1
             last = d
-            await asyncio.sleep(lag)  # a slow client: deltas pile up meanwhile
+            # a client that lags until the engine has posted everything (the terminal item
+            # releases the stream): whatever piled up meanwhile must come as one delta
+            while lag and engine.num_in_flight():
+                await asyncio.sleep(0.005)
         assert last is not None
         return toks, n, last
 
-    fast, n_fast, last = asyncio.run(run(0.0))
-    slow, n_slow, _ = asyncio.run(run(0.05))
+    fast, n_fast, last = asyncio.run(run(False))
+    slow, n_slow, _ = asyncio.run(run(True))
     assert fast == slow and len(fast) == 12
     assert last.finished and last.finish_reason == "length" and last.num_output_tokens == 12
-    assert n_slow < n_fast
+    assert 1 <= n_fast <= 12 and n_slow <= 2  # (the fast one's count depends on the machine)
 
 
 def test_refused_request_raises_and_leaves_nothing_behind(engine: AsyncEngine) -> None:
