@@ -112,6 +112,8 @@ def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: li
                 print(f"{name:8} {n:6} {k:6} {m:3} {split:5} {int(pdl):3} {int(pad):3} "
                       f"{rec['alone_us']:9.2f} {rec['alone_gbs']:6.0f} "
                       f"{rec['graph_us']:9.2f} {rec['graph_gbs']:6.0f}", flush=True)
+    e0.destroy()
+    e1.destroy()
     return records
 
 

@@ -141,6 +141,13 @@ class Event:
         return float(check(_cu().cuEventElapsedTime(self.handle, end.handle),
                            "cuEventElapsedTime"))
 
+    def destroy(self) -> None:
+        """Release the handle (idempotent); the event must not be in use by pending work that
+        anyone still waits on."""
+        if self.handle is not None:
+            check(_cu().cuEventDestroy(self.handle), "cuEventDestroy")
+            self.handle = None
+
 
 def time_ms(stream: Stream, fn: Any, iters: int, warmup: int = 3) -> np.ndarray:
     """Device time of ``fn()`` (work it enqueues on ``stream``), ms per call, one sample per
@@ -149,12 +156,17 @@ def time_ms(stream: Stream, fn: Any, iters: int, warmup: int = 3) -> np.ndarray:
         fn()
     e0, e1 = Event(), Event()
     ts = np.empty(iters)
-    for i in range(iters):
-        e0.record(stream)
-        fn()
-        e1.record(stream)
-        e1.synchronize()
-        ts[i] = e0.elapsed_ms(e1)
+    try:
+        for i in range(iters):
+            e0.record(stream)
+            fn()
+            e1.record(stream)
+            e1.synchronize()
+            ts[i] = e0.elapsed_ms(e1)
+    finally:
+        stream.synchronize()
+        e0.destroy()
+        e1.destroy()
     return ts
 
 

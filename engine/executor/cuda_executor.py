@@ -821,6 +821,9 @@ class CudaExecutor(Executor):
 
     def shutdown(self) -> None:
         self.stream.synchronize()
+        for e in self._events:
+            e.destroy()
+        self._events = []
         for p in self._pinned or []:
             p.close()
         self._pinned = None

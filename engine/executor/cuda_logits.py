@@ -150,11 +150,15 @@ class ProcessorBuffers:
         self._mask_ev[k].record(stream)
 
     def close(self) -> None:
+        """Free the pinned mirrors and their events, each after its last copy is done."""
+        for e in (*self._mask_ev, *([self._mirror_ev] if self._mirror_ev else [])):
+            e.synchronize()
+            e.destroy()
+        self._mask_ev, self._mirror_ev = [], None
         for p in self._mask_pin:
             p.close()
         self._mask_pin = []
         if self._mirror is not None:
-            self._mirror_ev.synchronize()
             self._mirror.close()
             self._mirror = None
 

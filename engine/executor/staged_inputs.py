@@ -124,5 +124,5 @@ class StagedInputs(PinnedMirror):
     def close(self) -> None:
         for g in self.copied:
             self._wait(g)
-            _cu().cuEventDestroy(self.copied[g].handle)
+            self.copied[g].destroy()
         super().close()

@@ -151,7 +151,7 @@ class WeightUploader:
             for b in bufs:
                 b.close()
             for e in done:
-                cu.cuEventDestroy(e.handle)
+                e.destroy()
             for fd in fds.values():
                 os.close(fd)
 
