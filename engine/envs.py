@@ -23,6 +23,11 @@ Each variable has a function here; the rest of the engine calls the function, ne
 - ``CUTEINFER_DECODE_ATTN``: the decode attention's main loop: ``mma`` (default: tensor cores,
   4 warps per CTA with a 2-page ring each; ``mma:WxS`` for W warps, S pages) or ``simt`` (the
   CUDA-core loop it replaced; docs/perf.md v22).
+- ``CUTEINFER_DRAFT_GRAPH``: ``1`` (default) replays the cuda DFlash drafter's block from a
+  captured graph (one launch instead of ~60 eager kernel calls); ``0`` launches it eagerly.
+- ``CUTEINFER_DEVICE_DRAFTS``: ``1`` (default) leaves the cuda DFlash drafts on the device, copied
+  into the verify rows there (no host sync between draft and verify); ``0`` downloads them at
+  proposal time, as before.
 - ``CUTEINFER_KERNEL_CACHE``: ``0`` turns the on-disk kernel cache off (default ``1``: compiled
   kernels are kept under ``<cache root>/kernels``, cutlass_kernels/_cache.py).
 - ``CUTEINFER_COMPILE_WORKERS``: processes that compile missing kernels in parallel (default: one
@@ -161,6 +166,18 @@ def _flag(name: str, default: bool) -> bool:
     if value not in ("0", "1", "true", "false", "on", "off"):
         raise ValueError(f"{name} must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on")
+
+
+def draft_graph() -> bool:
+    """The cuda DFlash drafter's block replays a captured graph (``CUTEINFER_DRAFT_GRAPH``,
+    default on; 0: eager kernel calls, to measure the graph against)."""
+    return _flag("CUTEINFER_DRAFT_GRAPH", True)
+
+
+def device_drafts() -> bool:
+    """The cuda DFlash drafts stay on the device until the verify step's output
+    (``CUTEINFER_DEVICE_DRAFTS``, default on; 0: downloaded when proposed)."""
+    return _flag("CUTEINFER_DEVICE_DRAFTS", True)
 
 
 def kernel_cache_enabled() -> bool:

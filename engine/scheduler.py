@@ -41,6 +41,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculative import (
     MIN_ACCEPTANCE,
     PROBATION_STEPS,
+    DeviceDrafts,
     SpeculativeConfig,
     accept,
     eligible,
@@ -61,6 +62,9 @@ class ScheduledRequest:  # one per request per step: a plain record (frozen cost
     # speculative drafts after the pending token (engine/speculative.py): the step computes
     # [pending, *drafts] and samples every one of those rows
     drafts: tuple[int, ...] = ()
+    # >= 0: the drafts are on the device (``DeviceDrafts``) in this slot of the drafter's
+    # buffer; ``drafts`` holds placeholders and the step's output carries the real ones
+    draft_slot: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +330,13 @@ class Scheduler:
                 self.config.max_model_len - total)
         if k < 1:
             return None
-        drafts = self.proposer(req, k)[:k]
+        got = self.proposer(req, k)
+        slot = -1
+        if isinstance(got, DeviceDrafts):  # on the device: placeholders until the step's output
+            drafts: tuple[int, ...] = (0,) * min(len(got), k)
+            slot = got.slot
+        else:
+            drafts = tuple(got[:k])
         if not drafts:
             return None
         try:
@@ -334,7 +344,7 @@ class Scheduler:
         except OutOfPagesError:
             return None
         return ScheduledRequest(req, start, 1 + len(drafts), slots, True,
-                                self.bm.page_table_view(req.request_id), (), tuple(drafts))
+                                self.bm.page_table_view(req.request_id), (), drafts, slot)
 
     def _preempt_until_fits(self, req: Request, n: int,
                             preempted: list[Request]) -> list[int] | None:
@@ -362,14 +372,23 @@ class Scheduler:
         prompt_lps, lps = step.prompt_logprobs, step.logprobs
         now = time.perf_counter()  # the step's tokens all arrived now
         row = pl_row = 0
+        dev = 0  # spans whose drafts were on the device, in step order (step.drafts)
         for s in out.seqs:
             req = s.request
             start = s.start
+            if s.draft_slot >= 0:
+                dev += 1
             if req.is_finished:  # (async scheduling: it stopped on the step before this one)
                 row += s.sample + len(s.drafts)
                 continue
             if s.drafts:  # a speculative span: rows row .. row + len(drafts)
-                self._update_spec(s, sampled[row:row + 1 + len(s.drafts)], now, changed)
+                d = s.drafts
+                if s.draft_slot >= 0:
+                    if step.drafts is None or len(step.drafts) < dev:
+                        raise RuntimeError("a step with device drafts returned none "
+                                           "(StepOutput.drafts)")
+                    d = tuple(step.drafts[dev - 1])
+                self._update_spec(s, sampled[row:row + 1 + len(s.drafts)], now, changed, d)
                 row += 1 + len(s.drafts)
                 continue
             req.num_computed_tokens = end = start + s.num_new
@@ -419,11 +438,11 @@ class Scheduler:
             self.finish(req, FinishReason.LENGTH)
 
     def _update_spec(self, s: ScheduledRequest, ys: list[int], now: float,
-                     changed: list[Request]) -> None:
-        """Accept the longest prefix of drafts equal to the sampled tokens, append those tokens
-        and the first sampled one after them (one at a time: a stop token, EOS or the length
-        ends the run there), keep their KV and give the rejected slots back."""
-        req, start, d = s.request, s.start, s.drafts
+                     changed: list[Request], d: tuple[int, ...]) -> None:
+        """Accept the longest prefix of drafts ``d`` equal to the sampled tokens, append those
+        tokens and the first sampled one after them (one at a time: a stop token, EOS or the
+        length ends the run there), keep their KV and give the rejected slots back."""
+        req, start = s.request, s.start
         m = accept(d, ys)
         met = req.metrics
         met["spec_steps"] = met.get("spec_steps", 0) + 1

@@ -43,8 +43,10 @@ the drafter's ``target_layer_ids`` at every computed token's KV slot (``NumpyExe
 enable_capture``); ``DFlashProposer`` reads a request's committed positions' features through
 its page table, runs the drafter's block ``[pending, MASK...]`` and proposes its argmax drafts.
 cuda: every forward writes the drafter's context K/V of its tokens into the drafter's own
-layers of the paged pool, and ``CudaDFlashProposer`` runs the block over them (eagerly, one
-request at a time; not yet inside the verify graph). A request whose block would pass
+layers of the paged pool, and ``CudaDFlashProposer`` runs the block over them (one captured
+graph per request's block) and leaves the drafts on the device (``DeviceDrafts``: the verify
+step's input rows get them there, with no host sync between draft and verify). A request whose
+block would pass
 ``max_model_len`` decodes plainly. Drafts never change the
 output (verification alone decides), only how many tokens a step commits.
 """
@@ -203,6 +205,32 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
             start = int(idx[0]) + n
             return a[start:start + k].tolist()
     return []
+
+
+class DeviceDrafts:
+    """``k`` drafts a proposer left on the device, in slot ``slot`` of its draft buffer (the cuda
+    DFlash drafter: engine/executor/cuda_dflash.py), instead of a list: the scheduler gives the
+    span ``k`` placeholder tokens, the executor copies the drafts into the span's input rows on
+    the device right before the verify forward (no host sync between draft and verify) and
+    returns them with the step's samples (``StepOutput.drafts``), from which acceptance is
+    computed. ``tolist()`` reads them now (it waits for the draft: tests and spies)."""
+
+    __slots__ = ("k", "slot", "_read")
+
+    def __init__(self, k: int, slot: int, read: Any) -> None:
+        self.k, self.slot, self._read = int(k), int(slot), read
+
+    def __len__(self) -> int:
+        return self.k
+
+    def tolist(self) -> list[int]:
+        return list(self._read())[:self.k]
+
+    def __iter__(self) -> Any:
+        return iter(self.tolist())
+
+    def __repr__(self) -> str:
+        return f"DeviceDrafts(k={self.k}, slot={self.slot})"
 
 
 def accept(drafts: tuple[int, ...] | list[int], sampled: list[int]) -> int:

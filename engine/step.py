@@ -55,6 +55,11 @@ class StepBatch:
     prompt_num_logprobs: int = 0  # top-n for prompt rows (max over requests in the step)
     # --- logits processors of the sample rows; None when no row has one (the common case) ---
     procs: ProcessorRows | None = None
+    # --- drafts a proposer left on the device (engine.speculative.DeviceDrafts): per span,
+    # (slot, token row of its first draft, k); the executor writes them over the placeholder
+    # input ids before the forward and returns them in ``StepOutput.drafts``, in this order
+    device_drafts: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, 3), np.int32))  # int32 [D, 3]
 
     @property
     def num_tokens(self) -> int:
@@ -165,6 +170,8 @@ class StepOutput:
     logprobs: Logprobs | None = None  # for the S sample rows, when any asked
     prompt_logprobs: Logprobs | None = None  # for the P prompt rows
     graph: bool = False  # the forward replayed a captured CUDA graph
+    # the drafts of ``StepBatch.device_drafts``' spans, in that order (None: no such span)
+    drafts: list[list[int]] | None = None
 
 
 # One row per request, packed once (``Request.sampling_row``): a request's sampling parameters
@@ -212,6 +219,7 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
     t = 0  # tokens so far
     decode = True  # every sequence adds exactly one token
     step_add: list[tuple[int, int]] = []  # (sample row, +steps): a speculative span's rows
+    dev: list[tuple[int, int, int]] = []  # device drafts: (slot, first draft row, k)
     for s in seqs:
         req, start, n = s.request, s.start, s.num_new
         if n == 1:  # index the one token: no slice, no list
@@ -227,7 +235,9 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
         elif s.drafts:  # [pending, *drafts]: the drafts are not the request's tokens yet
             decode = False
             ids += req.token_slice(start, 1)
-            ids += s.drafts
+            ids += s.drafts  # (placeholders when they are on the device)
+            if s.draft_slot >= 0:
+                dev.append((s.draft_slot, t + 1, len(s.drafts)))
             slots += s.slots
         else:
             decode = False
@@ -290,4 +300,6 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
         prompt_logprob_targets=np.array(pl_tgt, np.int32),
         prompt_num_logprobs=pl_n,
         procs=procs.prepare(sample_reqs) if procs is not None and procs.active else None,
+        device_drafts=(np.array(dev, np.int32).reshape(-1, 3) if dev
+                       else np.zeros((0, 3), np.int32)),
     )

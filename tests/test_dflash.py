@@ -114,8 +114,8 @@ def test_a_drafter_for_another_target_is_refused(change, needle) -> None:
     assert "use the drafter trained for this target model" in str(e.value)
 
 
-
-def test_the_cuda_drafter_needs_the_targets_intermediate_size() -> None:
+def test_check_cuda_refuses_another_intermediate_size() -> None:
+    """DFlashConfig.check_cuda: the refusal names the field and the numpy backend."""
     dc = DFlashConfig.from_dict(_cfg(intermediate_size=MC.intermediate_size * 2))
     dc.check_target(MC)  # numpy runs it
     with pytest.raises(ConfigError, match=r"speculative_config.model 'x': the drafter's "
@@ -123,6 +123,7 @@ def test_the_cuda_drafter_needs_the_targets_intermediate_size() -> None:
         dc.check_cuda(MC, "speculative_config.model 'x'")
     assert "--backend numpy" in str(e.value)
     DFlashConfig.from_dict(_cfg()).check_cuda(MC)
+
 
 def test_config_schema_variants() -> None:
     base = DFlashConfig.from_dict(_cfg())

@@ -7,6 +7,7 @@ behind."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,86 @@ def test_oracle_and_adversarial_proposers_keep_the_output(tiny: Path, wrong: boo
     _no_pages_left(spec)
 
 
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_device_drafts_are_placed_and_accepted_like_host_drafts(tiny: Path,
+                                                                wrong_every: int) -> None:
+    """The DeviceDrafts path (the cuda drafter's, played here on numpy): the proposer leaves its
+    drafts in slots, the span's input rows hold placeholders, the executor writes the slots'
+    drafts over them and returns them with the samples; acceptance uses those. Outputs equal
+    plain decoding's; with every third draft wrong, the counts match a host-drafts run."""
+    from engine.speculative import DeviceDrafts
+
+    prompts, params = _prompts(13), _params(13)
+    want = _ids(LLM(str(tiny), backend="numpy").generate(prompts, params))
+    future = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+
+    def drafts_of(req, k):
+        true = future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+        if wrong_every:  # reject from a draft on, depending on where the request is
+            return [t + 1 if (len(req.output_token_ids) + i) % wrong_every == 2 else t
+                    for i, t in enumerate(true)]
+        return true
+
+    host = LLM(str(tiny), backend="numpy", speculative_config=NGRAM)
+    host.engine.scheduler.proposer = drafts_of
+    host_out = host.generate(prompts, params)
+
+    spec = LLM(str(tiny), backend="numpy", speculative_config=NGRAM)
+    slots: list[list[int]] = []
+    placed: list[int] = []
+
+    def propose(req, k):
+        d = drafts_of(req, k)
+        if not d:
+            return []
+        slots.append(d)
+        return DeviceDrafts(len(d), len(slots) - 1, lambda: d)
+
+    ex = spec.engine.executor
+    run = ex.execute
+
+    def execute(b):
+        ids = b.input_ids.copy()
+        dd = b.device_drafts.tolist()
+        for slot, row, k in dd:
+            assert (ids[row:row + k] == 0).all(), "placeholders expected"
+            assert k == len(slots[slot])
+            ids[row:row + k] = slots[slot]
+            placed.append(k)
+        out = run(dataclasses.replace(b, input_ids=ids))
+        out.drafts = [slots[slot][:k] for slot, _row, k in dd] if dd else None
+        slots.clear()
+        return out
+
+    ex.execute = execute
+    spec.engine.scheduler.proposer = propose
+    got = spec.generate(prompts, params)
+    assert _ids(got) == want == _ids(host_out)
+    assert placed and sum(placed) == sum(o.metrics.get("spec_draft_tokens", 0) for o in got)
+    for a, b in zip(got, host_out, strict=True):
+        for key in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens"):
+            assert a.metrics.get(key, 0) == b.metrics.get(key, 0), key
+    accepted = sum(o.metrics.get("spec_accepted_tokens", 0) for o in got)
+    drafted = sum(o.metrics.get("spec_draft_tokens", 0) for o in got)
+    assert (accepted < drafted) if wrong_every else (accepted == drafted)
+    _no_pages_left(spec)
+
+
+def test_a_step_with_device_drafts_but_no_drafts_back_is_an_error(tiny: Path) -> None:
+    """An executor that drops the device drafts (StepOutput.drafts None) cannot be accepted
+    silently: the step fails loudly."""
+    from engine.speculative import DeviceDrafts
+
+    spec = LLM(str(tiny), backend="numpy", speculative_config=NGRAM)
+    spec.engine.scheduler.proposer = lambda req, k: DeviceDrafts(min(k, 2), 0, lambda: [5, 6])
+    ex = spec.engine.executor
+    run = ex.execute
+    ex.execute = lambda b: run(b)  # returns no drafts
+    with pytest.raises(RuntimeError, match="device drafts"):
+        spec.generate([[5, 6, 7, 8]], [SamplingParams(temperature=0.0, max_tokens=6,
+                                                      ignore_eos=True)])
+
+
 def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny: Path) -> None:
     prompts = _prompts(11)[:4]
     base = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
@@ -283,8 +364,6 @@ def test_verify_rows_are_the_span_as_one_decode_row_per_token(tiny: Path) -> Non
     """CudaExecutor.verify_rows (the cuda verify step's layout): a step whose every token is
     sampled becomes one decode row per token, row j of a span attending over its own prefix;
     on the numpy reference the rows give the span's logits. Other steps are not verify steps."""
-    import dataclasses
-
     from engine.executor.cuda_executor import CudaExecutor
     from graphs.profile import make_batch, make_span_batch
 

@@ -12,23 +12,32 @@ What ../shared/DFLASH.md 4.4 recommends, in its simplest correct form:
   So every computed position has, in the draft layers, the context K/V of its target features:
   the block manager's pages carry them, preemption and prefix caching need nothing more (a
   cached page's draft K/V is a function of its prefix, like its target K/V).
-- **The draft block** (``propose``), per speculating request, eagerly on the executor's stream
-  between steps (nothing is in flight then: the scheduler proposes only outside the pipelined
-  continuation): the request's partly filled last page is copied into a scratch page of each
+- **The draft block** (``propose_device`` / ``propose``), per speculating request, on the
+  executor's stream between steps (nothing is in flight then: the scheduler proposes only
+  outside the pipelined continuation), replayed from one captured graph (``capture_graph``;
+  eager kernel calls with ``CUTEINFER_DRAFT_GRAPH=0``): the request's partly filled last page
+  is copied into a scratch page of each
   draft layer, the block ``[pending, MASK x (B - 1)]`` at positions ``L..L+B-1`` runs the draft
   layers with its K/V written into the scratch pages, and every block row attends to all
   ``L + B`` keys (the decode kernel, each block row as its own sequence over the same page row:
   not causal, as the drafter wants); ``norm``, the target's lm_head on rows 1..B-1 and the
   greedy sampler give the B - 1 drafts. Pool pages are only read, so a draft never changes
   what a verify step or any other request sees.
+- **Drafts stay on the device** (``DeviceDrafts``, default; ``CUTEINFER_DEVICE_DRAFTS=0``
+  downloads them at once): the block's drafts are copied into a slot of ``buf.pending``; the
+  scheduler gives the span placeholder ids, the executor copies the slot over them after the
+  step's upload (``place``) and reads the drafts back with the step's samples (``drafts_of``),
+  so nothing waits between draft and verify and the host builds the verify step while the GPU
+  drafts.
 
 Drafts only decide how many tokens a step commits, never which (verification alone does), so
 this path's numbers are checked against the numpy drafter (engine/model/dflash.py) with a
 tolerance (tests/gpu/test_dflash_cuda.py), while losslessness is checked token for token.
 
-Not yet: the draft inside the verify step's graph and batched over requests (DFLASH.md 6); a
-drafter whose intermediate size differs from its target's (refused: it shares the target's
-SiLU kernel and buffers).
+Not yet: the block batched over requests (one block per speculating request, each its own
+graph launch; DFLASH.md 6) and inside the verify graph itself (two launches back to back, no
+sync between); a drafter whose intermediate size differs from its target's (refused: it shares
+the target's SiLU kernel and buffers).
 """
 
 from __future__ import annotations
@@ -41,6 +50,11 @@ import numpy as np
 from engine.config import ModelConfig
 from engine.executor.cuda_model import GATE_UP_BLOCK
 from engine.executor.cuda_shapes import Padded, pad_to
+from engine.speculative import DeviceDrafts
+
+# drafts a step may leave on the device (one slot per speculating request); past them the
+# proposer downloads its drafts at once
+DRAFT_SLOTS = 64
 
 
 def scratch_pages(page_size: int, block_size: int) -> int:
@@ -130,6 +144,8 @@ class DrafterBuffers:
         self.seeds = a(b, np.uint64, "d_seeds")
         self.steps = a(b, np.uint32, "d_steps")
         self.sampled = a(b, np.int32, "d_sampled")
+        # drafts left on the device (DeviceDrafts), a row per slot, until the verify step
+        self.pending = a((DRAFT_SLOTS, b - 1), np.int32, "d_pending")
 
 
 def drafter_fixed_bytes(s: DrafterShapes, t_max: int, pages_per_seq: int) -> int:
@@ -213,6 +229,8 @@ class CudaDrafter:
         stream.synchronize()
         self.gemm: dict[str, Any] = {}
         self.rope: Any = None
+        self.graph: Any = None  # the block's kernels, captured (capture_graph)
+        self.n_pending = 0  # slots of buf.pending taken since the last release()
 
     def compile(self) -> None:
         """The drafter's GEMMs (plain: the target's decoder GEMMs fuse norms, SiLU and residual
@@ -273,23 +291,30 @@ class CudaDrafter:
                 "context_lens": np.full(bb, n_ctx + bb, np.int32),
                 "page_indices": np.tile(row, (bb, 1))}
 
-    def logits(self, ex: Any, n_ctx: int, pending: int, pages: np.ndarray) -> None:
-        """Run the block of a request with ``n_ctx`` committed positions on ``pages`` (its
-        page-table row) and pending token ``pending``: its B - 1 draft rows' logits into
-        ``buf.logits[:B - 1]`` (on the stream, not waited for)."""
-        k, b, eb, st, dc, s, mc, g = (ex.kernels, self.buf, ex.buf, ex.stream, self.config,
-                                      self.shapes, self.mc, self.gemm)
-        ps, bb, eps = s.page_size, s.block, dc.rms_norm_eps
-        full, rem = divmod(n_ctx, ps)
+    def stage(self, ex: Any, n_ctx: int, pending: int, pages: np.ndarray) -> None:
+        """The block's inputs for a request with ``n_ctx`` committed positions on ``pages`` (its
+        page-table row) and pending token ``pending``, on the stream: its partly filled last
+        page copied into the scratch page of every draft layer, and ``block_inputs``."""
+        b, st, s = self.buf, ex.stream, self.shapes
+        full, rem = divmod(n_ctx, s.page_size)
         if rem:  # the partly filled page, so the block's K/V can follow it
             pb = s.page_bytes
             src, dst = int(pages[full]) * pb, self.num_pages * pb
             for c in (*b.k_cache, *b.v_cache):
                 c.view(dst, pb).copy_from(c.view(src, pb), pb, st)
-        host = self.block_inputs(n_ctx, pending, pages)
-        for name, a in host.items():
+        for name, a in self.block_inputs(n_ctx, pending, pages).items():
             getattr(b, name).upload(a, st)
-        splits = self._splits(ex, n_ctx + bb)
+
+    def body(self, ex: Any, sample: bool = True) -> None:
+        """The block's kernels over the staged inputs (what ``capture_graph`` records): its
+        B - 1 draft rows' logits into ``buf.logits[:B - 1]`` and, with ``sample``, their greedy
+        tokens into ``buf.sampled``. The split-KV factor is the one for the longest context,
+        whatever the request's (a graph's kernels are fixed), so eager and replayed blocks run
+        the same kernels."""
+        k, b, eb, st, dc, s, mc, g = (ex.kernels, self.buf, ex.buf, ex.stream, self.config,
+                                      self.shapes, self.mc, self.gemm)
+        bb, eps = s.block, dc.rms_norm_eps
+        splits = self._splits(ex, ex.sizes.max_pos)
         k.embed(b.ids, ex.weights.embed, b.x, mc.vocab_size, bb, st)
         for li, lw in enumerate(b.layers):
             if li == 0:
@@ -309,17 +334,91 @@ class CudaDrafter:
         k.add_norm(b.delta, b.x, b.norm, b.h, bb, eps, st)
         row = s.hidden * 2
         k.lm_head(b.h.view(row, (bb - 1) * row), ex.weights.lm_head, b.logits, bb - 1, st)
+        if sample:
+            k.sample(b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps,
+                     b.sampled, bb - 1, st)
+
+    def logits(self, ex: Any, n_ctx: int, pending: int, pages: np.ndarray) -> None:
+        """Run the block of a request with ``n_ctx`` committed positions on ``pages`` (its
+        page-table row) and pending token ``pending``, eagerly: its B - 1 draft rows' logits
+        into ``buf.logits[:B - 1]`` (on the stream, not waited for)."""
+        self.stage(ex, n_ctx, pending, pages)
+        self.body(ex, sample=False)
+
+    def capture_graph(self, ex: Any) -> float:
+        """Record ``body`` as a CUDA graph, after a warm-up block over a staged dummy request
+        (every kernel loaded; the scratch pages are overwritten by every block). Returns the
+        capture's seconds."""
+        from engine.cuda.driver import Graph
+
+        self.stage(ex, 1, 0, np.zeros(self.buf.pps, np.int32))
+        self.body(ex)
+        self.graph = Graph.capture(ex.stream, lambda: self.body(ex))
+        return self.graph.capture_s
+
+    def run(self, ex: Any, n_ctx: int, pending: int, pages: np.ndarray) -> None:
+        """Stage a request's block and enqueue it (its graph when captured): its greedy drafts
+        land in ``buf.sampled[:B - 1]``."""
+        self.stage(ex, n_ctx, pending, pages)
+        if self.graph is not None:
+            self.graph.launch(ex.stream)
+        else:
+            self.body(ex)
 
     def propose(self, ex: Any, n_ctx: int, pending: int, pages: np.ndarray) -> np.ndarray:
         """The B - 1 greedy drafts (int32) of a request with ``n_ctx`` committed positions on
-        ``pages``, pending token ``pending``."""
+        ``pages``, pending token ``pending`` (waits for them)."""
         b, st, bb = self.buf, ex.stream, self.shapes.block
-        self.logits(ex, n_ctx, pending, pages)
-        ex.kernels.sample(b.logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps,
-                          b.sampled, bb - 1, st)
+        self.run(ex, n_ctx, pending, pages)
         out = b.sampled.download(np.empty(bb - 1, np.int32), st)
         st.synchronize()
         return out
+
+    def propose_device(self, ex: Any, n_ctx: int, pending: int, pages: np.ndarray
+                       ) -> int | None:
+        """Enqueue the block and keep its B - 1 drafts on the device, in a free slot of
+        ``buf.pending`` (returned; None when every slot is taken: nothing enqueued). The slots
+        are free again after ``release`` (the executor's, at the end of each step)."""
+        if self.n_pending >= DRAFT_SLOTS:
+            return None
+        slot, n = self.n_pending, self.shapes.block - 1
+        self.run(ex, n_ctx, pending, pages)
+        self.buf.pending.view(slot * n * 4, n * 4).copy_from(self.buf.sampled, n * 4, ex.stream)
+        self.n_pending += 1
+        return slot
+
+    def read_slot(self, ex: Any, slot: int) -> np.ndarray:
+        """The drafts in ``slot`` now (waits for the stream)."""
+        n = self.shapes.block - 1
+        out = self.buf.pending.view(slot * n * 4, n * 4).download(np.empty(n, np.int32),
+                                                                   ex.stream)
+        ex.stream.synchronize()
+        return out
+
+    def place(self, dd: np.ndarray, input_ids: Any, stream: Any) -> None:
+        """Copy each ``(slot, row, k)`` of ``dd`` (``StepBatch.device_drafts``): the slot's
+        first k drafts over input rows ``row .. row + k - 1`` (after the step's upload)."""
+        n = self.shapes.block - 1
+        for slot, row, k in dd.tolist():
+            if not (0 <= slot < self.n_pending and 1 <= k <= n):
+                raise ValueError(f"device drafts (slot {slot}, k {k}): no such drafts "
+                                 f"({self.n_pending} slots taken, {n} drafts a slot)")
+            input_ids.view(row * 4, k * 4).copy_from(self.buf.pending.view(slot * n * 4, k * 4),
+                                                     k * 4, stream)
+
+    def drafts_of(self, dd: np.ndarray, stream: Any) -> list[list[int]]:
+        """The drafts of ``dd``'s spans, in its order (one download of the slots used)."""
+        if not dd.shape[0]:
+            return []
+        n = self.shapes.block - 1
+        top = int(dd[:, 0].max()) + 1
+        host = self.buf.pending.download(np.empty((top, n), np.int32), stream)
+        stream.synchronize()
+        return [host[slot, :k].tolist() for slot, _row, k in dd.tolist()]
+
+    def release(self) -> None:
+        """Every slot free again (the step that read them is done, or failed)."""
+        self.n_pending = 0
 
     def _splits(self, ex: Any, context: int) -> int:
         """The decode kernel's split-KV factor for the block's rows: the executor's plan for
@@ -338,14 +437,24 @@ class CudaDFlashProposer:
     """``DFlashProposer`` on the cuda backend: ``(request, k) -> drafts`` through
     ``CudaDrafter.propose`` over the request's page-table row."""
 
-    def __init__(self, executor: Any, block_manager: Any, max_model_len: int) -> None:
+    def __init__(self, executor: Any, block_manager: Any, max_model_len: int,
+                 device: bool = True) -> None:
         self.executor, self.drafter = executor, executor.dflash
         self.bm, self.max_model_len = block_manager, max_model_len
+        self.device = device  # drafts left on the device (DeviceDrafts) while slots last
+        self.counts = {"device": 0, "host": 0}  # proposals of each kind
 
-    def __call__(self, req: Any, k: int) -> list[int]:
+    def __call__(self, req: Any, k: int) -> list[int] | DeviceDrafts:
         n, bb = req.num_computed_tokens, self.drafter.shapes.block
         if n + bb > self.max_model_len or k < 1 or n < 1:
             return []
         pending = req.token_slice(n, 1)[0]
         pages = np.frombuffer(self.bm.page_table_view(req.request_id), np.int32)
-        return self.drafter.propose(self.executor, n, pending, pages)[:k].tolist()
+        ex, d = self.executor, self.drafter
+        if self.device:
+            slot = d.propose_device(ex, n, pending, pages)
+            if slot is not None:
+                self.counts["device"] += 1
+                return DeviceDrafts(min(k, bb - 1), slot, lambda: d.read_slot(ex, slot))
+        self.counts["host"] += 1
+        return d.propose(ex, n, pending, pages)[:k].tolist()

@@ -157,6 +157,8 @@ class CudaExecutor(Executor):
                 if self.verify is not None:
                     ver = self.verify.capture_all(show=False)
                     self.graph_stats["verify_capture_s"] = ver["capture_s"]
+            if self.dflash is not None and envs.draft_graph():  # the draft block: one graph
+                self.graph_stats["draft_capture_s"] = self.dflash.capture_graph(self)
 
     # -- set-up ----------------------------------------------------------------------------------
     def _allocate(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool) -> None:
@@ -229,7 +231,8 @@ class CudaExecutor(Executor):
         if self.dflash is None:
             raise ExecutorError("this executor was built without a DFlash drafter "
                                 "(speculative_config method 'dflash')")
-        return CudaDFlashProposer(self, block_manager, max_model_len)
+        return CudaDFlashProposer(self, block_manager, max_model_len,
+                                  device=envs.device_drafts())
 
     def _num_splits(self, batch: int, max_context: int) -> int:
         from cutlass_kernels.decode_plan import choose_num_splits
@@ -551,6 +554,26 @@ class CudaExecutor(Executor):
         self.upload_sampling(b, pad_to=bucket)
 
     def execute(self, b: StepBatch) -> StepOutput:
+        try:
+            out = self._execute(b)
+            if b.device_drafts.shape[0]:
+                out.drafts = self._drafter().drafts_of(b.device_drafts, self.stream)
+            return out
+        finally:
+            if self.dflash is not None:
+                self.dflash.release()  # a step consumes (or drops) every draft left before it
+
+    def _drafter(self) -> CudaDrafter:
+        if self.dflash is None:
+            raise ExecutorError("a step with device drafts on an executor without a drafter")
+        return self.dflash
+
+    def _place_drafts(self, b: StepBatch) -> None:
+        """After ``upload(b)``: the device drafts of ``b``'s spans over their placeholder ids."""
+        if b.device_drafts.shape[0]:
+            self._drafter().place(b.device_drafts, self.buf.input_ids, self.stream)
+
+    def _execute(self, b: StepBatch) -> StepOutput:
         self._check(b)
         st, buf = self.stream, self.buf
         s_rows = b.sample_token_idx.shape[0]
@@ -588,6 +611,7 @@ class CudaExecutor(Executor):
         else:
             if b.num_tokens:
                 self.upload(b)
+                self._place_drafts(b)
                 ones = self.stage_mixed(b)
                 self.forward(b.num_tokens, b.num_seqs, False, int(b.query_lens.max()), 1,
                              decode_rows=ones)
@@ -637,10 +661,12 @@ class CudaExecutor(Executor):
             r = bk * self._spec_rows()
             if n <= r:
                 self.upload(rows, pad_to=r)
+                self._place_drafts(rows)
                 self.upload_sampling(rows, pad_to=r)
                 v.replay(bk)
                 return self._sampled(rows, n), True
         self.upload(rows)
+        self._place_drafts(rows)
         self.upload_sampling(rows)
         self.verify_body(n, num_seqs)
         return self._sampled(rows, n), False

@@ -71,16 +71,26 @@ def test_cuda_draft_logits_match_the_numpy_drafter(target, drafter):
             pages = np.frombuffer(llm.engine.block_manager.page_table_view(req.request_id),
                                   np.int32)
             d.logits(ex, n, pending, pages)
-            got = d.buf.logits.download(np.empty((bb, s.vocab), np.float32), ex.stream)
+            full = d.buf.logits.download(np.empty((bb, s.vocab), np.float32), ex.stream)
             ex.stream.synchronize()
-            got = got[:bb - 1, :v]
+            got = full[:bb - 1, :v]
             want = ref.logits(feats, pending)
+            # the captured block (run: stage + graph launch): the eager block's bits
+            d.buf.logits.fill_bytes(0xFF, ex.stream)  # poison (NaN)
+            d.run(ex, n, pending, pages)
+            again = d.buf.logits.download(np.empty((bb, s.vocab), np.float32), ex.stream)
+            ex.stream.synchronize()
+            graph_bits = bool((again[:bb - 1].view(np.uint32)
+                               == full[:bb - 1].view(np.uint32)).all())
             drafts = prop(req, k)
+            device = type(drafts).__name__ == "DeviceDrafts"
+            drafts = list(drafts)  # (DeviceDrafts: read from its slot; the span gets a list)
             scale = float(np.abs(want).max())
             err = float(np.abs(got - want).max())
             cos = [float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
                    for a, b in zip(got, want, strict=True)]
             seen.append({"id": req.request_id, "n": n, "err": err, "scale": scale,
+                         "graph_bits": graph_bits, "device": device,
                          "min_cos": min(cos), "argmax_agree": int(
                              (got.argmax(-1) == want.argmax(-1)).sum()),
                          "drafts_are_argmax": drafts == got.argmax(-1)[:len(drafts)].tolist()})
@@ -93,7 +103,9 @@ def test_cuda_draft_logits_match_the_numpy_drafter(target, drafter):
         llm.generate([rng.integers(5, v, n).tolist()], [sp])
     report({"test": "dflash_cuda_logits", "rows": seen})
     assert [x["n"] for x in seen] == [37, 48, 16, 700, 1025]
+    assert d.graph is not None  # captured at start-up (CUTEINFER_DRAFT_GRAPH defaults on)
     for x in seen:
+        assert x["graph_bits"] and x["device"], x
         assert x["err"] <= 0.03 * x["scale"] + 0.02, x
         assert x["min_cos"] > 0.999, x
         assert x["argmax_agree"] >= bb - 3, x
@@ -144,6 +156,8 @@ def test_dflash_on_cuda_is_lossless(target, drafter, opts):
     drafted = sum(o.metrics.get("spec_draft_tokens", 0) for o in outs)
     g = spec.engine.gauges()["spec"]
     assert drafted > 0 and g["draft_tokens"] > 0
+    counts = spec.engine.scheduler.proposer.counts
+    assert counts["device"] > 0 and counts["host"] == 0, counts  # drafts stayed on the GPU
     if "num_gpu_blocks_override" in opts:
         assert spec.engine.scheduler.num_preemptions > 0
     assert spec.engine.block_manager.gauges()["live"] == 0
@@ -177,6 +191,33 @@ def test_oracle_drafts_through_the_cuda_drafter_are_accepted(target, drafter):
     m = [o.metrics for o in outs]
     assert all(x["spec_draft_tokens"] > 0 for x in m)
     assert all(x["spec_accepted_tokens"] == x["spec_draft_tokens"] for x in m)
+
+
+def test_device_drafts_equal_downloaded_drafts_in_batches(target, drafter):
+    """Up to 7 requests speculate together (``disable_by_batch_size`` 8), so a step places
+    several device-draft slots: the run with drafts left on the device and the run with drafts
+    downloaded at proposal time (``CudaDFlashProposer.device`` False) give the same tokens and
+    the same draft / accept counts request by request (the same step compositions)."""
+    rng = np.random.default_rng()
+    vocab = ModelConfig.from_pretrained(target).vocab_size
+    prompts, params = _prompts(rng, 6, vocab), _params(rng, 6)
+    llm = LLM(str(target), backend="cuda", max_model_len=1024, enable_prefix_caching=False,
+              num_gpu_blocks_override=16 * 64 + 8,
+              speculative_config=_spec(drafter, disable_by_batch_size=8))
+    prop = llm.engine.scheduler.proposer
+    keys = ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")
+    runs = {}
+    for device in (False, True):
+        prop.device = device
+        outs = llm.generate(prompts, params)
+        runs[device] = (_ids(outs), [[o.metrics.get(k, 0) for k in keys] for o in outs])
+    assert prop.counts["device"] > len(prompts) and prop.counts["host"] > len(prompts)
+    assert runs[True] == runs[False]
+    assert sum(m[1] for m in runs[True][1]) > 0
+    assert llm.engine.block_manager.gauges()["live"] == 0
+    report({"test": "dflash_device_drafts_batched", "counts": dict(prop.counts),
+            "drafted": sum(m[1] for m in runs[True][1]),
+            "accepted": sum(m[2] for m in runs[True][1])})
 
 
 def test_issue_681_scenario_with_the_cuda_drafter(target, drafter):
