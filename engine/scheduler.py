@@ -94,6 +94,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.spec = config.speculative_config  # engine.speculative.SpeculativeConfig or None
+        # speculate only in steps without prompt tokens (the engine: executors whose logits
+        # depend on the step's composition, i.e. cuda)
+        self.spec_alone = False
         # the proposer seam: (request, k) -> up to k draft tokens (tests set oracles here)
         self.proposer: Callable[[Request, int], list[int]] = self._ngram
         # speculative decoding: drafted, accepted, verify spans; spans by accepted count
@@ -236,8 +239,18 @@ class Scheduler:
         # Running requests first: a decode token each, or the next chunk. Preemption only ever
         # removes the list's tail (it ends the loop there), so iterating the list itself is safe.
         spec = self.spec
-        if spec is not None and len(self.running) >= spec.disable_by_batch_size:
-            spec = None  # a large batch: verify rows cost compute, decode plainly
+        if spec is not None and (
+                len(self.running) >= spec.disable_by_batch_size
+                or (self.spec_alone and (
+                    (self.waiting and len(self.running) < cfg.max_num_seqs)
+                    or any(len(r.prompt_token_ids) + len(r.output_token_ids)
+                           - r.num_computed_tokens != 1 for r in self.running)))):
+            # a large batch: verify rows cost compute, decode plainly; and (spec_alone) no
+            # span in a step that computes prompt tokens (an admission, a prefill chunk, a
+            # recompute): on cuda such a step runs the multi-token forward, whose rounding is
+            # not plain decoding's, while a step of spans and decode rows replays verify rows
+            # (the bits of plain decoding), so speculation changes no token there
+            spec = None
         for req in self.running:
             if budget <= 0:
                 break

@@ -246,6 +246,40 @@ def test_a_step_with_device_drafts_but_no_drafts_back_is_an_error(tiny: Path) ->
                                                       ignore_eos=True)])
 
 
+def test_spans_never_share_a_step_with_prompt_tokens(tiny: Path) -> None:
+    """A speculative span only goes into a step of decode rows and spans (on cuda: verify rows,
+    plain decoding's bits), never beside an admission, a prefill chunk or a recompute (the
+    multi-token forward): a preempting pool, waiting requests, chunked prefill. Outputs equal
+    plain decoding's."""
+    rng = np.random.default_rng()
+    prompts = [rng.integers(5, 200, int(rng.integers(4, 300))).tolist() for _ in range(8)]
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
+                             max_tokens=int(rng.integers(20, 60)), ignore_eos=True)
+              for i in range(8)]
+    opts = {"backend": "numpy", "max_model_len": 512, "max_num_seqs": 4,
+            "num_gpu_blocks_override": 40, "max_num_batched_tokens": 64}
+    want = _ids(LLM(str(tiny), **opts).generate(prompts, params))
+    spec = LLM(str(tiny), speculative_config=NGRAM, **opts)
+    sched = spec.engine.scheduler
+    assert not sched.spec_alone  # numpy is batch-invariant: spans may share steps there
+    sched.spec_alone = True  # as on cuda
+    schedule = sched.schedule
+    seen = {"span_steps": 0, "mixed": 0}
+
+    def spy(*a, **kw):
+        out = schedule(*a, **kw)
+        if out is not None and any(s.drafts for s in out.seqs):
+            seen["span_steps"] += 1
+            seen["mixed"] += any(not s.drafts and s.num_new > 1 for s in out.seqs)
+        return out
+
+    sched.schedule = spy
+    assert _ids(spec.generate(prompts, params)) == want
+    assert seen["span_steps"] > 0 and seen["mixed"] == 0, seen
+    assert sched.num_preemptions > 0
+    _no_pages_left(spec)
+
+
 def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny: Path) -> None:
     prompts = _prompts(11)[:4]
     base = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

@@ -14,7 +14,9 @@ runs every step but the oracle's drafts are used: a perfect drafter at the real 
 Workloads: ``repeat`` (default): token prompts that repeat a random phrase to ``--prompt-len``
 tokens, the case prompt lookup is for; ``copy``: text prompts that ask a model to write a code
 snippet out again (an edit-like, copy-heavy answer: with a real checkpoint the answer repeats the
-prompt; random weights do not copy).
+prompt; random weights do not copy); ``fewshot``: a base-model prompt, one snippet shown with
+its copy, then another snippet to copy (a 135M model copies it nearly verbatim, where it writes
+its own code when asked in a chat).
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ class {cls}:
 
 def _prompts(a: argparse.Namespace, vocab: int, tokenizer=None) -> list:
     rng = np.random.default_rng(0)
+    if a.workload == "fewshot":  # one worked copy, then a snippet to copy: a base-model prompt
+        out = []
+        for i in range(a.requests):
+            first = SNIPPET.format(name=f"running_totals_{i}", scale=i + 2, cls=f"Window{i}")
+            second = SNIPPET.format(name=f"moving_sum_{i}", scale=i + 9, cls=f"Ring{i}")
+            out.append(f"### Original\n{first}\n### Copy\n{first}\n### Original\n{second}\n"
+                       "### Copy\n")
+        return out
     if a.workload == "copy":  # a code edit: the answer is mostly the prompt's code again
         out = []
         for i in range(a.requests):
@@ -102,7 +112,7 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
             return future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
 
         llm.engine.scheduler.proposer = oracle
-    prompts = _prompts(a, vocab, llm.get_tokenizer() if a.workload == "copy" else None)
+    prompts = _prompts(a, vocab, llm.get_tokenizer() if a.workload != "repeat" else None)
     llm.generate(prompts[:1], params[:1])  # warm
     t0 = time.perf_counter()
     one = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
@@ -128,7 +138,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("both", "plain", "spec"), default="both",
                     help="both: each mode in a process of its own (each engine takes the GPU)")
     ap.add_argument("--proposer", choices=("ngram", "oracle"), default="ngram")
-    ap.add_argument("--workload", choices=("repeat", "copy"), default="repeat")
+    ap.add_argument("--workload", choices=("repeat", "copy", "fewshot"), default="repeat")
     ap.add_argument("--prompt-len", type=int, default=96,
                     help="repeat workload: prompt tokens (context = this + max_tokens)")
     ap.add_argument("--drafter", default=None,

@@ -43,6 +43,10 @@ class Executor(ABC):
     # Progress counter, bumped at least once per layer of a forward (numpy) and once per step:
     # the server's watchdog judges liveness by it, so a long but moving step is never "dead".
     heartbeat: int = 0
+    # a row's logits do not depend on what else its step computes (numpy: exact reference);
+    # False (cuda): a multi-token step rounds differently from decode rows, so the scheduler
+    # keeps speculative spans out of steps with prompt tokens (Scheduler.spec_alone)
+    batch_invariant: bool = False
     _last_sampled: np.ndarray = np.zeros(0, np.int32)  # the last launched step's tokens
 
     @abstractmethod

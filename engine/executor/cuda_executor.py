@@ -267,9 +267,21 @@ class CudaExecutor(Executor):
 
         plain = max(need(b, b) for b in range(1, self.config.max_num_seqs + 1))
         spec, bks = self._spec_rows(), self._buckets()
+        # a verify graph runs its bucket's rows (padding included) at its bucket's splits; an
+        # eager verify step its own rows at its bucket's splits
         verify = max((need(min(s.b_max, b * spec), bucket_for(b, bks) or b)
                       for b in range(1, min(self._spec_below(), s.b_max + 1))), default=0)
-        return max(plain, verify)
+        graphs = max((need(bk * spec, bk) for bk in self._verify_buckets()), default=0)
+        return max(plain, verify, graphs)
+
+    def _verify_buckets(self) -> list[int]:
+        """The buckets of speculating sequences that get a verify graph: those below
+        ``disable_by_batch_size``'s bucket whose ``bucket x (k + 1)`` rows fit the buffers."""
+        rows, below = self._spec_rows(), self._spec_below()
+        top = bucket_for(below - 1, self._buckets()) if below > 1 else None
+        if rows == 1 or top is None:
+            return []
+        return [b for b in self._buckets() if b <= top and b * rows <= self.sizes.b_max]
 
     def _spec_rows(self) -> int:
         """Rows per speculating sequence (1 + k), 1 without speculation."""
@@ -508,11 +520,8 @@ class CudaExecutor(Executor):
         """Verify graphs (``verify_body``), one per bucket of speculating sequences (those below
         ``disable_by_batch_size``) whose ``bucket x (k + 1)`` rows fit the step buffers; None
         without speculation."""
-        rows, below = self._spec_rows(), self._spec_below()
-        top = bucket_for(below - 1, self._buckets()) if below > 1 else None
-        if rows == 1 or top is None:
-            return None
-        bks = [b for b in self._buckets() if b <= top and b * rows <= self.sizes.b_max]
+        rows = self._spec_rows()
+        bks = self._verify_buckets()
         if not bks:
             return None
         plan = DecodePlan(tuple(bks), {b: self.decode_splits(b) for b in bks},

@@ -26,6 +26,8 @@ F32 = np.float32
 
 
 class NumpyExecutor(Executor):
+    batch_invariant = True  # float32 numpy per row: any step composition, the same logits
+
     def __init__(self, ckpt: Checkpoint, num_pages: int, page_size: int) -> None:
         self.model = ReferenceModel(ckpt)
         cfg = self.config = ckpt.config

@@ -152,7 +152,14 @@ def test_dflash_on_cuda_is_lossless(target, drafter, opts):
     assert _ids(outs) == want_one
     assert [_ids(spec.generate([p], [sp]))[0]
             for p, sp in zip(again, params[::2], strict=True)] == want_again
-    assert _ids(spec.generate(many, many_params)) == want_many
+    before = dict(spec.engine.gauges()["spec"])
+    got_many = _ids(spec.generate(many, many_params))
+    after = spec.engine.gauges()["spec"]
+    report({"test": "dflash_cuda_lossless_many", "opts": opts, "n": many_n,
+            "drafted": after["draft_tokens"] - before["draft_tokens"],
+            "accepted": after["accepted_tokens"] - before["accepted_tokens"],
+            "identical": sum(a == b for a, b in zip(got_many, want_many, strict=True))})
+    assert got_many == want_many
     drafted = sum(o.metrics.get("spec_draft_tokens", 0) for o in outs)
     g = spec.engine.gauges()["spec"]
     assert drafted > 0 and g["draft_tokens"] > 0
