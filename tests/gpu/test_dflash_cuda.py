@@ -242,3 +242,43 @@ def test_issue_681_scenario_with_the_cuda_drafter(target, drafter):
     assert g["draft_tokens"] > 0 and g["drafts"] > 0
     report({"test": "issue_681_dflash_cuda", "free_after_each": free[:3], "spec": {
         k: g[k] for k in ("draft_tokens", "accepted_tokens", "drafts")}})
+
+
+def test_device_drafts_that_are_right_are_accepted(target, drafter):
+    """Device drafts with every draft right: the drafter's block runs, then its tokens are
+    overwritten on the device with the plain run's continuation before the slot copy, so the
+    placement over the placeholders (``place``) and the slots' download (``drafts_of``) carry
+    drafts that verification accepts: nearly every draft accepted, outputs unchanged."""
+    rng = np.random.default_rng()
+    vocab = ModelConfig.from_pretrained(target).vocab_size
+    prompts, params = _prompts(rng, 4, vocab), _params(rng, 4)
+    opts = dict(backend="cuda", max_model_len=1024, num_gpu_blocks_override=16 * 64 + 8)
+    plain = LLM(str(target), **opts)
+    want = [_ids(plain.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
+    del plain
+    future = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
+    spec = LLM(str(target), speculative_config=_spec(drafter), **opts)
+    prop, d = spec.engine.scheduler.proposer, spec.engine.executor.dflash
+    run, nxt = d.run, {}
+
+    def run_right(ex, n_ctx, pending, pages):
+        run(ex, n_ctx, pending, pages)
+        arr = np.zeros(d.shapes.block, np.int32)
+        arr[:len(nxt["t"])] = nxt["t"]
+        d.buf.sampled.upload(arr, ex.stream)  # (stream order: after the block, before the slot)
+
+    def oracle(req, k):
+        nxt["t"] = future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][
+            :d.shapes.block - 1]
+        return prop(req, k)
+
+    d.run = run_right
+    spec.engine.scheduler.proposer = oracle
+    outs = [spec.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
+    assert _ids(outs) == want
+    drafted = sum(o.metrics["spec_draft_tokens"] for o in outs)
+    accepted = sum(o.metrics["spec_accepted_tokens"] for o in outs)
+    assert prop.counts["device"] > 0 and prop.counts["host"] == 0
+    # every draft is right except the zeros past a request's last token
+    assert accepted >= drafted - 15 * len(prompts), (accepted, drafted)
+    report({"test": "dflash_device_drafts_right", "drafted": drafted, "accepted": accepted})
