@@ -121,6 +121,8 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
     t2 = time.perf_counter()
     n = sum(len(o.outputs[0].token_ids) for o in one)
     return {"batch1_tok_s": n / (t1 - t0), "batched_tok_s": n / (t2 - t1),
+            "batch1_s": t1 - t0, "batch1_tokens": n,
+            "spec_steps": sum(o.metrics.get("spec_steps", 0) for o in one),
             "drafted": sum(o.metrics.get("spec_draft_tokens", 0) for o in one),
             "accepted": sum(o.metrics.get("spec_accepted_tokens", 0) for o in one),
             "batch1": [o.outputs[0].token_ids for o in one],

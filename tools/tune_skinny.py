@@ -70,50 +70,53 @@ def sweep_shape(preset: str, name: str, n: int, k: int, ms: list[int], tiles: li
     pcs = [common.gmem_ptr("bf16", c.ptr) for c in cs]
     e0, e1 = Event(), Event()
     records = []
-    for m in ms:
-        tile = next((t for t in tiles if t >= m), tiles[-1])
-        nbytes = n * k * 2 + 2 * m * (k + n)
+    try:
+        for m in ms:
+            tile = next((t for t in tiles if t >= m), tiles[-1])
+            nbytes = n * k * 2 + 2 * m * (k + n)
 
-        def gathers(m=m) -> None:
-            for _ in range(layers):
-                gather(ids, table, a, 64, m, stream)
+            def gathers(m=m) -> None:
+                for _ in range(layers):
+                    gather(ids, table, a, 64, m, stream)
 
-        gather_ms = graph_time_ms(stream, gathers, iters)
-        for split in (1, 2, 4, 8):
-            if split > k // BK or (SLAB // 4) * tile % split:
-                continue
-            for pdl, pad in [(p, q) for p in pdls for q in pads]:
-                fn = cute.compile(GemmSkinnySm90(n, k, cutlass.BFloat16, tile, split, pdl), *fake)
-                mm = cutlass.Int32(m)
-                ml = cutlass.Int32(-(-m // tile) * tile if pad else m)
-                fn(pa, pws[0], pcs[0], mm, ml, stream.handle)
-                ts = []
-                for _ in range(iters):  # alone: a memset, then one launch between the events
-                    flush.fill_bytes(0, stream)
-                    e0.record(stream)
+            gather_ms = graph_time_ms(stream, gathers, iters)
+            for split in (1, 2, 4, 8):
+                if split > k // BK or (SLAB // 4) * tile % split:
+                    continue
+                for pdl, pad in [(p, q) for p in pdls for q in pads]:
+                    fn = cute.compile(
+                        GemmSkinnySm90(n, k, cutlass.BFloat16, tile, split, pdl), *fake)
+                    mm = cutlass.Int32(m)
+                    ml = cutlass.Int32(-(-m // tile) * tile if pad else m)
                     fn(pa, pws[0], pcs[0], mm, ml, stream.handle)
-                    e1.record(stream)
-                    e1.synchronize()
-                    ts.append(e0.elapsed_ms(e1))
-                alone_ms = float(np.median(ts))
+                    ts = []
+                    for _ in range(iters):  # alone: a memset, then one launch between the events
+                        flush.fill_bytes(0, stream)
+                        e0.record(stream)
+                        fn(pa, pws[0], pcs[0], mm, ml, stream.handle)
+                        e1.record(stream)
+                        e1.synchronize()
+                        ts.append(e0.elapsed_ms(e1))
+                    alone_ms = float(np.median(ts))
 
-                def body(fn=fn, mm=mm, ml=ml, m=m) -> None:
-                    for i in range(layers):
-                        gather(ids, table, a, 64, m, stream)
-                        fn(pa, pws[i], pcs[i], mm, ml, stream.handle)
+                    def body(fn=fn, mm=mm, ml=ml, m=m) -> None:
+                        for i in range(layers):
+                            gather(ids, table, a, 64, m, stream)
+                            fn(pa, pws[i], pcs[i], mm, ml, stream.handle)
 
-                pair_ms = (graph_time_ms(stream, body, iters) - gather_ms) / layers
-                rec = {"preset": preset, "layer": name, "n": n, "k": k, "m": m, "tile": tile,
-                       "split": split, "pdl": pdl, "pad": pad, "alone_us": alone_ms * 1e3,
-                       "alone_gbs": nbytes / alone_ms / 1e6, "graph_us": pair_ms * 1e3,
-                       "graph_gbs": nbytes / pair_ms / 1e6,
-                       "heuristic": choose_split_k(n, k)}
-                records.append(rec)
-                print(f"{name:8} {n:6} {k:6} {m:3} {split:5} {int(pdl):3} {int(pad):3} "
-                      f"{rec['alone_us']:9.2f} {rec['alone_gbs']:6.0f} "
-                      f"{rec['graph_us']:9.2f} {rec['graph_gbs']:6.0f}", flush=True)
-    e0.destroy()
-    e1.destroy()
+                    pair_ms = (graph_time_ms(stream, body, iters) - gather_ms) / layers
+                    rec = {"preset": preset, "layer": name, "n": n, "k": k, "m": m, "tile": tile,
+                           "split": split, "pdl": pdl, "pad": pad, "alone_us": alone_ms * 1e3,
+                           "alone_gbs": nbytes / alone_ms / 1e6, "graph_us": pair_ms * 1e3,
+                           "graph_gbs": nbytes / pair_ms / 1e6,
+                           "heuristic": choose_split_k(n, k)}
+                    records.append(rec)
+                    print(f"{name:8} {n:6} {k:6} {m:3} {split:5} {int(pdl):3} {int(pad):3} "
+                          f"{rec['alone_us']:9.2f} {rec['alone_gbs']:6.0f} "
+                          f"{rec['graph_us']:9.2f} {rec['graph_gbs']:6.0f}", flush=True)
+    finally:  # (an error in a sweep: the events are released all the same)
+        e0.destroy()
+        e1.destroy()
     return records
 
 
