@@ -252,9 +252,10 @@ def test_spans_never_share_a_step_with_prompt_tokens(tiny: Path) -> None:
     multi-token forward): a preempting pool, waiting requests, chunked prefill. Outputs equal
     plain decoding's."""
     rng = np.random.default_rng()
-    prompts = [rng.integers(5, 200, int(rng.integers(4, 300))).tolist() for _ in range(8)]
+    # 8 prompts of 150-300 tokens + 40-60 out through 40 pages of 16 tokens: it preempts
+    prompts = [rng.integers(5, 200, int(rng.integers(150, 300))).tolist() for _ in range(8)]
     params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
-                             max_tokens=int(rng.integers(20, 60)), ignore_eos=True)
+                             max_tokens=int(rng.integers(40, 60)), ignore_eos=True)
               for i in range(8)]
     opts = {"backend": "numpy", "max_model_len": 512, "max_num_seqs": 4,
             "num_gpu_blocks_override": 40, "max_num_batched_tokens": 64}
