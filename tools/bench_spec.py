@@ -11,6 +11,11 @@ Proposers: ``ngram`` (prompt lookup, vLLM's); ``oracle`` proposes the plain run'
 continuation (every draft right: the ceiling of a perfect drafter, the verify step's cost alone).
 ``--drafter DIR``: a DFlash drafter proposes (method dflash); with ``--proposer oracle`` it still
 runs every step but the oracle's drafts are used: a perfect drafter at the real drafter's cost.
+``replay`` replays the acceptance of another run (``--record-acceptance FILE`` there,
+``--acceptance FILE`` here): request i's proposals draft as many tokens as the recorded run's
+i-th request did, step by step, the recorded number of them right (the plain run's tokens) and
+the rest wrong, so a model without the workload's behaviour (random weights) runs at a real
+workload's acceptance (e.g. n-gram on a copy-heavy prompt with a real small checkpoint).
 Workloads: ``repeat`` (default): token prompts that repeat a random phrase to ``--prompt-len``
 tokens, the case prompt lookup is for; ``copy``: text prompts that ask a model to write a code
 snippet out again (an edit-like, copy-heavy answer: with a real checkpoint the answer repeats the
@@ -100,18 +105,54 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
         **method, "num_speculative_tokens": a.k}}
     llm = LLM(a.model, backend=a.backend, max_num_seqs=max(a.requests, 1),
               max_model_len=max(1024, a.prompt_len + a.max_tokens + 64), **extra)
-    if mode == "spec" and a.proposer == "oracle":
+    sched = llm.engine.scheduler
+    if mode == "spec" and a.proposer in ("oracle", "replay"):
         with open(a.future) as f:  # the plain run's (prompt ids, output ids), one at a time
-            future = {tuple(p): o for p, o in json.load(f)}
+            pairs = json.load(f)
+        future = {tuple(p): o for p, o in pairs}
+        order = {tuple(p): i for i, (p, _o) in enumerate(pairs)}
+        trace = None
+        if a.proposer == "replay":
+            with open(a.acceptance) as f:
+                trace = json.load(f)["trace"]
+        calls: dict[str, int] = {}
 
-        drafter = llm.engine.scheduler.proposer if a.drafter else None
+        drafter = sched.proposer if a.drafter else None
 
         def oracle(req, k):
             if drafter is not None:  # the drafter runs (its cost counts), the oracle proposes
                 drafter(req, k)
-            return future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+            true = future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:k]
+            if trace is None:
+                return true
+            # replay: the recorded step's (drafted, accepted) -- right drafts, then wrong ones
+            j = calls[req.request_id] = calls.get(req.request_id, -1) + 1
+            i = order[tuple(req.prompt_token_ids)]
+            steps = trace[i] if i < len(trace) else []
+            if j >= len(steps):
+                return []
+            d = min(steps[j][0], len(true))
+            m = min(steps[j][1], d)
+            return true[:m] + [(t + 1) % vocab for t in true[m:d]]
 
-        llm.engine.scheduler.proposer = oracle
+        sched.proposer = oracle
+    log: dict[str, list[list[int]]] = {}
+    if mode == "spec" and a.record_acceptance:  # each proposal: (drafted, accepted), in order
+        from engine.speculative import accept
+
+        propose, update = sched.proposer, sched._update_spec
+
+        def recording(req, k):
+            d = propose(req, k)
+            if not d:
+                log.setdefault(req.request_id, []).append([0, 0])
+            return d
+
+        def recorded(s, ys, now, changed, d):
+            log.setdefault(s.request.request_id, []).append([len(d), accept(d, ys)])
+            return update(s, ys, now, changed, d)
+
+        sched.proposer, sched._update_spec = recording, recorded
     prompts = _prompts(a, vocab, llm.get_tokenizer() if a.workload != "repeat" else None)
     llm.generate(prompts[:1], params[:1])  # warm
     t0 = time.perf_counter()
@@ -120,6 +161,10 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
     batch = llm.generate(prompts, params)
     t2 = time.perf_counter()
     n = sum(len(o.outputs[0].token_ids) for o in one)
+    if mode == "spec" and a.record_acceptance:
+        with open(a.record_acceptance, "w") as f:
+            json.dump({"model": a.model, "workload": a.workload, "k": a.k,
+                       "trace": [log.get(o.request_id, []) for o in one]}, f)
     return {"batch1_tok_s": n / (t1 - t0), "batched_tok_s": n / (t2 - t1),
             "batch1_s": t1 - t0, "batch1_tokens": n,
             "spec_steps": sum(o.metrics.get("spec_steps", 0) for o in one),
@@ -139,7 +184,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--mode", choices=("both", "plain", "spec"), default="both",
                     help="both: each mode in a process of its own (each engine takes the GPU)")
-    ap.add_argument("--proposer", choices=("ngram", "oracle"), default="ngram")
+    ap.add_argument("--proposer", choices=("ngram", "oracle", "replay"), default="ngram",
+                    help="replay: each request's recorded (drafted, accepted) steps "
+                         "(--acceptance) with the plain run's tokens as the right drafts")
+    ap.add_argument("--record-acceptance", default=None,
+                    help="write each batch-1 request's (drafted, accepted) per proposal here")
+    ap.add_argument("--acceptance", default=None, help="--proposer replay: a recorded file")
     ap.add_argument("--workload", choices=("repeat", "copy", "fewshot"), default="repeat")
     ap.add_argument("--prompt-len", type=int, default=96,
                     help="repeat workload: prompt tokens (context = this + max_tokens)")
@@ -164,6 +214,10 @@ def main() -> None:
                 a.workload, "--prompt-len", str(a.prompt_len), "--future", future.name]
         if a.drafter:
             argv += ["--drafter", a.drafter]
+        if a.record_acceptance:
+            argv += ["--record-acceptance", a.record_acceptance]
+        if a.acceptance:
+            argv += ["--acceptance", a.acceptance]
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         runs[mode] = json.loads(out.strip().splitlines()[-1])
         if mode == "plain":
