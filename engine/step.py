@@ -300,6 +300,5 @@ def build_batch(out: SchedulerOutput, procs: LogitsProcessorState | None = None)
         prompt_logprob_targets=np.array(pl_tgt, np.int32),
         prompt_num_logprobs=pl_n,
         procs=procs.prepare(sample_reqs) if procs is not None and procs.active else None,
-        device_drafts=(np.array(dev, np.int32).reshape(-1, 3) if dev
-                       else np.zeros((0, 3), np.int32)),
+        device_drafts=np.array(dev, np.int32).reshape(-1, 3),
     )

@@ -173,9 +173,10 @@ def test_dflash_on_cuda_is_lossless(target, drafter, opts):
             "preemptions": spec.engine.scheduler.num_preemptions})
 
 
-def test_oracle_drafts_through_the_cuda_drafter_are_accepted(target, drafter):
-    """The cuda drafter runs (its drafts checked for shape), but the proposal handed on is the
-    plain run's continuation: every draft is accepted and the output is unchanged."""
+def _plain_then_spec(target, drafter):
+    """Four random requests (half greedy, half seeded) decoded plainly one at a time, then an
+    engine with the cuda drafter: (vocab, prompts, params, plain outputs, prompt -> plain
+    output, the speculative LLM)."""
     rng = np.random.default_rng()
     vocab = ModelConfig.from_pretrained(target).vocab_size
     prompts, params = _prompts(rng, 4, vocab), _params(rng, 4)
@@ -184,7 +185,14 @@ def test_oracle_drafts_through_the_cuda_drafter_are_accepted(target, drafter):
     want = [_ids(plain.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
     del plain
     future = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
-    spec = LLM(str(target), speculative_config=_spec(drafter), **opts)
+    return vocab, prompts, params, want, future, LLM(
+        str(target), speculative_config=_spec(drafter), **opts)
+
+
+def test_oracle_drafts_through_the_cuda_drafter_are_accepted(target, drafter):
+    """The cuda drafter runs (its drafts checked for shape), but the proposal handed on is the
+    plain run's continuation: every draft is accepted and the output is unchanged."""
+    vocab, prompts, params, want, future, spec = _plain_then_spec(target, drafter)
     real = spec.engine.scheduler.proposer
 
     def oracle(req, k):
@@ -249,15 +257,7 @@ def test_device_drafts_that_are_right_are_accepted(target, drafter):
     overwritten on the device with the plain run's continuation before the slot copy, so the
     placement over the placeholders (``place``) and the slots' download (``drafts_of``) carry
     drafts that verification accepts: nearly every draft accepted, outputs unchanged."""
-    rng = np.random.default_rng()
-    vocab = ModelConfig.from_pretrained(target).vocab_size
-    prompts, params = _prompts(rng, 4, vocab), _params(rng, 4)
-    opts = dict(backend="cuda", max_model_len=1024, num_gpu_blocks_override=16 * 64 + 8)
-    plain = LLM(str(target), **opts)
-    want = [_ids(plain.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
-    del plain
-    future = {tuple(p): w for p, w in zip(prompts, want, strict=True)}
-    spec = LLM(str(target), speculative_config=_spec(drafter), **opts)
+    vocab, prompts, params, want, future, spec = _plain_then_spec(target, drafter)
     prop, d = spec.engine.scheduler.proposer, spec.engine.executor.dflash
     run, nxt = d.run, {}
 
