@@ -23,11 +23,14 @@ Each variable has a function here; the rest of the engine calls the function, ne
 - ``CUTEINFER_DECODE_ATTN``: the decode attention's main loop: ``mma`` (default: tensor cores,
   4 warps per CTA with a 2-page ring each; ``mma:WxS`` for W warps, S pages) or ``simt`` (the
   CUDA-core loop it replaced; docs/perf.md v22).
-- ``CUTEINFER_DRAFT_GRAPH``: ``1`` (default) replays the cuda DFlash drafter's block from a
-  captured graph (one launch instead of ~60 eager kernel calls); ``0`` launches it eagerly.
-- ``CUTEINFER_DEVICE_DRAFTS``: ``1`` (default) leaves the cuda DFlash drafts on the device, copied
-  into the verify rows there (no host sync between draft and verify); ``0`` downloads them at
-  proposal time, as before.
+- ``CUTEINFER_DRAFT_GRAPH``: ``1`` (default) replays the cuda DFlash drafter's blocks from
+  captured graphs; ``0`` launches their kernels eagerly (and the verify graphs do not draft).
+- ``CUTEINFER_DEVICE_DRAFTS``: ``1`` (default) leaves the cuda DFlash drafts on the device, placed
+  over the verify rows there (no host sync between draft and verify); ``0`` drafts each request
+  alone when proposed and downloads its drafts.
+- ``CUTEINFER_SPEC_FUSED``: ``1`` (default) makes each verify graph draft its bucket's blocks
+  first: a speculative step is one graph launch; ``0``: the draft blocks' graph, then the verify
+  graph (engine/executor/cuda_dflash.py).
 - ``CUTEINFER_KERNEL_CACHE``: ``0`` turns the on-disk kernel cache off (default ``1``: compiled
   kernels are kept under ``<cache root>/kernels``, cutlass_kernels/_cache.py).
 - ``CUTEINFER_COMPILE_WORKERS``: processes that compile missing kernels in parallel (default: one
@@ -172,6 +175,13 @@ def draft_graph() -> bool:
     """The cuda DFlash drafter's block replays a captured graph (``CUTEINFER_DRAFT_GRAPH``,
     default on; 0: eager kernel calls, to measure the graph against)."""
     return _flag("CUTEINFER_DRAFT_GRAPH", True)
+
+
+def fused_spec() -> bool:
+    """With the cuda DFlash drafter's device drafts, a verify graph drafts its bucket's blocks
+    itself: the whole speculative step is one graph launch (``CUTEINFER_SPEC_FUSED``, default on;
+    0: the draft blocks' own graph, then the verify graph)."""
+    return _flag("CUTEINFER_SPEC_FUSED", True)
 
 
 def device_drafts() -> bool:

@@ -62,8 +62,8 @@ class ScheduledRequest:  # one per request per step: a plain record (frozen cost
     # speculative drafts after the pending token (engine/speculative.py): the step computes
     # [pending, *drafts] and samples every one of those rows
     drafts: tuple[int, ...] = ()
-    # >= 0: the drafts are on the device (``DeviceDrafts``) in this slot of the drafter's
-    # buffer; ``drafts`` holds placeholders and the step's output carries the real ones
+    # >= 0: the drafts are left to the device (``DeviceDrafts``): this block of the step's
+    # draft launch; ``drafts`` holds placeholders and the step's output carries the real ones
     draft_slot: int = -1
 
 

@@ -43,12 +43,12 @@ the drafter's ``target_layer_ids`` at every computed token's KV slot (``NumpyExe
 enable_capture``); ``DFlashProposer`` reads a request's committed positions' features through
 its page table, runs the drafter's block ``[pending, MASK...]`` and proposes its argmax drafts.
 cuda: every forward writes the drafter's context K/V of its tokens into the drafter's own
-layers of the paged pool, and ``CudaDFlashProposer`` runs the block over them (one captured
-graph per request's block) and leaves the drafts on the device (``DeviceDrafts``: the verify
-step's input rows get them there, with no host sync between draft and verify). A request whose
-block would pass
-``max_model_len`` decodes plainly. Drafts never change the
-output (verification alone decides), only how many tokens a step commits.
+layers of the paged pool, and ``CudaDFlashProposer`` queues each speculating request's block:
+the step drafts all of them in one launch inside its verify graph and places the drafts over
+the spans' placeholder ids on the device (``DeviceDrafts``): draft, placement and verify are
+one graph launch, with no host sync between draft and verify. A request whose block would pass
+``max_model_len`` decodes plainly. Drafts never change the output (verification alone decides),
+only how many tokens a step commits.
 """
 
 from __future__ import annotations
@@ -208,12 +208,13 @@ def ngram_propose(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int
 
 
 class DeviceDrafts:
-    """``k`` drafts a proposer left on the device, in slot ``slot`` of its draft buffer (the cuda
-    DFlash drafter: engine/executor/cuda_dflash.py), instead of a list: the scheduler gives the
-    span ``k`` placeholder tokens, the executor copies the drafts into the span's input rows on
-    the device right before the verify forward (no host sync between draft and verify) and
-    returns them with the step's samples (``StepOutput.drafts``), from which acceptance is
-    computed. ``tolist()`` reads them now (it waits for the draft: tests and spies)."""
+    """``k`` drafts a proposer leaves to the device, those of block ``slot`` of the step's
+    draft launch (the cuda DFlash drafter: engine/executor/cuda_dflash.py), instead of a list:
+    the scheduler gives the span ``k`` placeholder tokens, the executor drafts and places the
+    drafts over the span's input rows on the device right before the verify forward (no host
+    sync between draft and verify) and returns them with the step's samples
+    (``StepOutput.drafts``), from which acceptance is computed. ``tolist()`` reads them now (it
+    drafts and waits: tests and spies)."""
 
     __slots__ = ("k", "slot", "_read")
 

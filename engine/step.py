@@ -55,9 +55,10 @@ class StepBatch:
     prompt_num_logprobs: int = 0  # top-n for prompt rows (max over requests in the step)
     # --- logits processors of the sample rows; None when no row has one (the common case) ---
     procs: ProcessorRows | None = None
-    # --- drafts a proposer left on the device (engine.speculative.DeviceDrafts): per span,
-    # (slot, token row of its first draft, k); the executor writes them over the placeholder
-    # input ids before the forward and returns them in ``StepOutput.drafts``, in this order
+    # --- drafts a proposer left to the device (engine.speculative.DeviceDrafts): per span,
+    # (its block in the step's draft launch, token row of its first draft, k); the executor
+    # writes them over the placeholder input ids before the forward and returns them in
+    # ``StepOutput.drafts``, in this order
     device_drafts: np.ndarray = field(
         default_factory=lambda: np.zeros((0, 3), np.int32))  # int32 [D, 3]
 

@@ -94,6 +94,15 @@ def ref_embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     return out
 
 
+def ref_place_tokens(src: np.ndarray, tokens: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """cutlass_kernels/place_tokens.py: ``ids[t] = tokens[src[t]]`` where ``0 <= src[t] <
+    len(tokens)``; every other row keeps its id."""
+    out = ids.copy()
+    ok = (src >= 0) & (src < tokens.shape[0])
+    out[ok] = tokens[src[ok]]
+    return out
+
+
 def ref_rmsnorm(x: np.ndarray, w: np.ndarray, eps: float,
                 residual: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """RMSNorm rows (float32 out holding bf16 values) and, fused, the new residual."""

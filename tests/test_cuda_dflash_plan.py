@@ -98,3 +98,149 @@ def test_the_memory_plan_makes_room_for_the_drafter() -> None:
     assert n1 < n0 and abs(b1 - b0) < (4 << 20)
     per_page = 16 * 8 * 128 * 2  # one K or V array
     assert n1 * per_page * 2 * (36 + 5) + extra <= b1
+
+
+class _Buf:
+    """A device buffer stand-in: records what is uploaded into it."""
+
+    def __init__(self) -> None:
+        self.host: np.ndarray | None = None
+
+    def upload(self, a: np.ndarray, _stream=None) -> None:
+        self.host = np.array(a)
+
+
+def _drafter(blocks: int, buckets=(1, 2, 4, 8, 16, 24)) -> CudaDrafter:
+    """A CudaDrafter's host side at qwen3-8b's drafter shapes, page size 16, 5000 pool pages,
+    ``blocks`` blocks a launch; uploads recorded, page copies and kernel runs logged."""
+    d = object.__new__(CudaDrafter)
+    d.shapes = DrafterShapes.of(MC, DC, 16)
+    d.config, d.num_pages, d.max_blocks = DC, 5000, blocks
+    d.block_buckets = sorted({x for x in buckets if x <= blocks} | {blocks})
+    names = ("ids", "positions", "slots", "context_lens", "page_indices", "src", "sampled")
+    d.buf = SimpleNamespace(pps=80 + d.shapes.scratch, rows=blocks * DC.block_size,
+                            **{n: _Buf() for n in names})
+    d.queue, d.drafted, d.graphs, d.log = [], False, {}, []
+    d._copy_page = lambda src, dst, st: d.log.append(("copy", src, dst))
+    d.body = lambda ex, n=1, sample=True: d.log.append(("body", n))
+    return d
+
+
+def test_blocks_are_staged_side_by_side_with_their_own_scratch_pages() -> None:
+    """A launch of 4 blocks for 3 requests: each request's rows are its ``block_inputs`` at
+    its block index (its own scratch pages and slots), its partial page is copied into its own
+    scratch page (a request on a page boundary copies nothing), the 4th block is padding that
+    attends to its own keys only."""
+    rng = np.random.default_rng()
+    d, ex = _drafter(8), SimpleNamespace(stream=None)
+    bb, ps, sc, pb = DC.block_size, 16, d.shapes.scratch, d.shapes.page_bytes
+    reqs = []
+    for n_ctx in (37, 48, 1):
+        pages = rng.permutation(5000)[:n_ctx // ps + 1].astype(np.int32)
+        reqs.append((n_ctx, int(rng.integers(100, 1000)), pages))
+    d.stage(ex, reqs, 4)
+    b = d.buf
+    assert b.ids.host.shape == (4 * bb,) and b.page_indices.host.shape == (4 * bb, b.pps)
+    for j, (n_ctx, pending, pages) in enumerate(reqs):
+        want = d.block_inputs(n_ctx, pending, pages, j)
+        rows = slice(j * bb, (j + 1) * bb)
+        for name, a in want.items():
+            assert (getattr(b, name).host[rows] == a).all(), (j, name)
+        first = 5000 + j * sc
+        assert want["slots"][0] == first * ps + n_ctx % ps
+        assert (want["page_indices"][0][n_ctx // ps:n_ctx // ps + sc]
+                == first + np.arange(sc)).all()
+    copies = [x for x in d.log if x[0] == "copy"]
+    assert copies == [("copy", int(reqs[0][2][2]) * pb, 5000 * pb),
+                      ("copy", int(reqs[2][2][0]) * pb, (5000 + 2 * sc) * pb)]
+    pad = slice(3 * bb, 4 * bb)
+    assert (b.context_lens.host[pad] == bb).all()
+    assert (b.positions.host[pad] == np.arange(bb)).all()
+    assert (b.slots.host[pad] == (5000 + 3 * sc) * ps + np.arange(bb)).all()
+    assert (b.page_indices.host[pad][:, :sc] == 5000 + 3 * sc + np.arange(sc)).all()
+    with pytest.raises(ValueError, match="draft blocks"):
+        d.stage(ex, reqs, 2)  # more requests than the launch holds
+    with pytest.raises(ValueError, match="draft blocks"):
+        d.stage(ex, [], 16)  # more blocks than the buffers hold
+
+
+def test_the_queue_drafts_once_per_step_in_its_bucket() -> None:
+    """Proposals queue (a block index each) up to ``max_blocks``; ``flush`` runs them once, in
+    the launch of their bucket or a larger one asked for; a new proposal makes them stale
+    again; ``release`` empties the queue."""
+    d, ex = _drafter(4), SimpleNamespace(stream=None)
+    pages = np.arange(10, dtype=np.int32)
+    assert [d.enqueue(20 + i, 7, pages) for i in range(5)] == [0, 1, 2, 3, None]
+    assert d.queue[0][2].tolist() == [0, 1]  # the full pages and the partial one, copied
+    assert [d.blocks_for(n) for n in (1, 2, 3, 4, 9)] == [1, 2, 4, 4, 4]
+    d.flush(ex)
+    d.flush(ex)
+    assert [x for x in d.log if x[0] == "body"] == [("body", 4)] and d.drafted
+    d.release()
+    assert d.queue == [] and not d.drafted
+    d.log.clear()
+    d.enqueue(20, 7, pages)
+    d.flush(ex, 2)  # the verify step's bucket
+    d.enqueue(21, 7, pages)
+    assert not d.drafted
+    d.flush(ex, 1)
+    assert [x for x in d.log if x[0] == "body"] == [("body", 2), ("body", 2)]
+
+
+def test_place_sources_map_each_span_to_its_blocks_drafts() -> None:
+    """``stage_src``: a span of k drafts at input row r takes its block's drafts 1..k (rows
+    ``block * B + 1 ..`` of the blocks' samples); every other row keeps its own token; a span
+    past the step's rows, a block never proposed or a k of 0 / more than B - 1 is refused."""
+    d, ex = _drafter(4), SimpleNamespace(stream=None)
+    bb = DC.block_size
+    for n in (30, 40, 50):
+        d.enqueue(n, 1, np.arange(5, dtype=np.int32))
+    dd = np.array([[2, 1, 3], [0, 6, 15]], np.int32)  # (block, first draft row, k)
+    d.stage_src(ex, dd, 32)
+    src = d.buf.src.host
+    assert src.shape == (32,)
+    assert src[1:4].tolist() == [2 * bb + 1, 2 * bb + 2, 2 * bb + 3]
+    assert src[6:21].tolist() == list(range(1, bb))
+    keep = np.ones(32, bool)
+    keep[1:4] = keep[6:21] = False
+    assert (src[keep] == -1).all()
+    for bad in ([[3, 1, 2]], [[0, 1, 0]], [[0, 1, bb]], [[0, 30, 3]]):
+        with pytest.raises(ValueError, match="device drafts"):
+            d.stage_src(ex, np.array(bad, np.int32), 32)
+
+
+@pytest.mark.parametrize(("below", "max_num_seqs", "want"), [
+    (2, 256, 1), (3, 256, 2), (5, 256, 4), (6, 256, 8), (9, 256, 8), (12, 256, 16),
+    (40, 256, 16), (7, 6, 6), (8, 4, 4), (0, 256, 1)])
+def test_a_launch_drafts_the_largest_speculating_bucket(below, max_num_seqs, want) -> None:
+    """``CudaExecutor._draft_blocks``: the bucket of ``disable_by_batch_size - 1`` sequences
+    (a verify graph of that bucket drafts all its blocks), at most ``MAX_DRAFT_BLOCKS``."""
+    from engine.executor.cuda_executor import CudaExecutor
+    from engine.speculative import SpeculativeConfig
+
+    ex = object.__new__(CudaExecutor)
+    spec = SpeculativeConfig(method="dflash", num_speculative_tokens=15,
+                             disable_by_batch_size=below) if below else None
+    ex.config = SimpleNamespace(speculative_config=spec, max_num_seqs=max_num_seqs,
+                                cuda_graph_max_bs=None)
+    assert ex._draft_blocks() == want
+
+
+@pytest.mark.parametrize(("below", "max_num_seqs", "want"), [
+    (2, 256, [1]), (8, 256, [1, 2, 4, 8]), (8, 4, [1, 2, 4]), (3, 2, [1, 2]), (9, 6, [1, 2, 4, 6]),
+    (64, 256, [1, 2, 4, 8])])
+def test_verify_graphs_cover_the_batches_that_speculate(below, max_num_seqs, want) -> None:
+    """``CudaExecutor._verify_buckets``: a verify graph for every bucket up to the one of the
+    most sequences that may speculate (fewer than ``disable_by_batch_size``, at most
+    ``max_num_seqs``: a ``disable_by_batch_size`` above ``max_num_seqs`` once left no graph at
+    all), whose ``bucket x (k + 1)`` rows fit the step buffers (b_max 128 here)."""
+    from engine.executor.cuda_executor import CudaExecutor
+    from engine.speculative import SpeculativeConfig
+
+    ex = object.__new__(CudaExecutor)
+    ex.config = SimpleNamespace(
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=15,
+                                             disable_by_batch_size=below),
+        max_num_seqs=max_num_seqs, cuda_graph_max_bs=None)
+    ex.sizes = SimpleNamespace(b_max=128)
+    assert ex._verify_buckets() == want

@@ -105,6 +105,36 @@ def test_rope_kv_pdl_ptx(tmp_path, monkeypatch):
     assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait]
 
 
+def test_place_tokens_compiles_and_checks_arguments(tmp_path, monkeypatch):
+    """The draft placement (cutlass_kernels/place_tokens.py): sm_90a, one guarded load and
+    store a thread; no rows launches nothing; no tokens to read is refused."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutlass_kernels._common import KernelArgError
+    from cutlass_kernels.place_tokens import PlaceTokens, compile_place_tokens, signature
+
+    launcher = compile_place_tokens()
+    assert compile_place_tokens() is launcher
+    launcher(16, 16, 16, 0, 0, None)  # no rows: nothing launched
+    with pytest.raises(KernelArgError, match="num_tokens"):
+        launcher(16, 16, 16, 0, 5, None)
+    monkeypatch.setattr(cutlass.base_dsl.BaseDSL._get_dsl().envar, "dump_dir", str(tmp_path))
+    ptx = cute.compile(PlaceTokens(), *signature().fake_args(), options="--keep-ptx").__ptx__
+    assert ".target sm_90a" in ptx and ptx.count(".entry ") == 1
+    assert "st.global" in ptx and "griddepcontrol" not in ptx
+
+
+def test_ref_place_tokens_keeps_rows_without_a_source():
+    from tests.kernel_refs import ref_place_tokens
+
+    ids = np.arange(10, 16, dtype=np.int32)
+    got = ref_place_tokens(np.array([-1, 2, 0, 7, -5, 1], np.int32),
+                           np.array([100, 101, 102], np.int32), ids)
+    assert got.tolist() == [10, 102, 100, 13, 14, 101]
+    assert ids.tolist() == list(range(10, 16))  # not changed in place
+
+
 @pytest.mark.parametrize("vocab", VOCAB)
 def test_sampling_compiles(vocab):
     from cutlass_kernels.sampling import compile_logprobs, compile_sampler

@@ -101,15 +101,19 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
               SamplingParams(temperature=0.8, top_k=40, seed=1000 + i, max_tokens=a.max_tokens,
                              ignore_eos=True) for i in range(a.requests)]
     method = ({"method": "dflash", "model": a.drafter} if a.drafter else {"method": "ngram"})
+    below = {"disable_by_batch_size": a.spec_below} if a.spec_below else {}
     extra = {} if mode == "plain" else {"speculative_config": {
-        **method, "num_speculative_tokens": a.k}}
+        **method, "num_speculative_tokens": a.k, **below}}
     llm = LLM(a.model, backend=a.backend, max_num_seqs=max(a.requests, 1),
               max_model_len=max(1024, a.prompt_len + a.max_tokens + 64), **extra)
     sched = llm.engine.scheduler
     if mode == "spec" and a.proposer in ("oracle", "replay"):
         with open(a.future) as f:  # the plain run's (prompt ids, output ids), one at a time
-            pairs = json.load(f)
+            pairs, batched_pairs = json.load(f)
         future = {tuple(p): o for p, o in pairs}
+        # all together, the plain run's own batched outputs (a bucket's kernels may pick the
+        # other of two near-tied tokens than batch 1's: the oracle follows the batched run)
+        future_batched = {tuple(p): o for p, o in batched_pairs}
         order = {tuple(p): i for i, (p, _o) in enumerate(pairs)}
         trace = None
         if a.proposer == "replay":
@@ -158,8 +162,13 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
     t0 = time.perf_counter()
     one = [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
     t1 = time.perf_counter()
+    before = llm.engine.gauges()["spec"]
+    if mode == "spec" and a.proposer in ("oracle", "replay"):
+        future.clear()
+        future.update(future_batched)
     batch = llm.generate(prompts, params)
     t2 = time.perf_counter()
+    after = llm.engine.gauges()["spec"]
     n = sum(len(o.outputs[0].token_ids) for o in one)
     if mode == "spec" and a.record_acceptance:
         with open(a.record_acceptance, "w") as f:
@@ -170,6 +179,8 @@ def run_one(a: argparse.Namespace, mode: str) -> dict:
             "spec_steps": sum(o.metrics.get("spec_steps", 0) for o in one),
             "drafted": sum(o.metrics.get("spec_draft_tokens", 0) for o in one),
             "accepted": sum(o.metrics.get("spec_accepted_tokens", 0) for o in one),
+            "batched_drafted": after["draft_tokens"] - before["draft_tokens"],
+            "batched_accepted": after["accepted_tokens"] - before["accepted_tokens"],
             "batch1": [o.outputs[0].token_ids for o in one],
             "prompt_ids": [list(o.prompt_token_ids) for o in one],
             "batched": [o.outputs[0].token_ids for o in batch]}
@@ -197,6 +208,9 @@ def main() -> None:
                     help="a DFlash drafter directory: speculate with it (method dflash); with "
                          "--proposer oracle the drafter still runs, the oracle's drafts are used")
     ap.add_argument("--future", default=None, help=argparse.SUPPRESS)  # oracle: plain outputs
+    ap.add_argument("--spec-below", type=int, default=0, metavar="N",
+                    help="speculate while fewer than N requests run (disable_by_batch_size; "
+                         "default: the engine's, 2: batch 1 only)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.mode != "both":
@@ -214,6 +228,8 @@ def main() -> None:
                 a.workload, "--prompt-len", str(a.prompt_len), "--future", future.name]
         if a.drafter:
             argv += ["--drafter", a.drafter]
+        if a.spec_below:
+            argv += ["--spec-below", str(a.spec_below)]
         if a.record_acceptance:
             argv += ["--record-acceptance", a.record_acceptance]
         if a.acceptance:
@@ -221,12 +237,12 @@ def main() -> None:
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         runs[mode] = json.loads(out.strip().splitlines()[-1])
         if mode == "plain":
-            json.dump(list(zip(runs[mode]["prompt_ids"], runs[mode]["batch1"], strict=True)),
-                      future)
+            json.dump([list(zip(runs[mode]["prompt_ids"], runs[mode][kind], strict=True))
+                       for kind in ("batch1", "batched")], future)
             future.close()
     res: dict = {"k": a.k, "requests": a.requests, "max_tokens": a.max_tokens,
                  "proposer": a.proposer, "workload": a.workload, "prompt_len": a.prompt_len,
-                 "drafter": a.drafter}
+                 "drafter": a.drafter, "spec_below": a.spec_below}
     for mode, r in runs.items():
         res[mode] = {k: v for k, v in r.items() if k not in ("batch1", "batched", "prompt_ids")}
     for kind in ("batch1", "batched"):

@@ -30,6 +30,7 @@ declare -A G=(
   [gemm]="tests/gpu/test_kernels_gemm.py"
   [attention]="tests/gpu/test_kernels_attention.py"
   [embedding]="tests/gpu/test_kernels_pointwise.py -k embedding"
+  [place]="tests/gpu/test_kernels_pointwise.py -k place_tokens"
   [rmsnorm]="tests/gpu/test_kernels_pointwise.py -k rmsnorm"
   [rope]="tests/gpu/test_kernels_pointwise.py -k rope"
   [silu]="tests/gpu/test_kernels_pointwise.py -k silu"
@@ -48,7 +49,7 @@ declare -A G=(
   [read]="tests/gpu/test_read_stream.py"
   [fold]="tests/gpu/test_kernels_pointwise.py -k scale_cols"
 )
-TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec dflash mixed async read fold"}
+TEST_GROUPS=${TEST_GROUPS:-"gemm attention embedding place rmsnorm rope silu sampler logprobs backend graphs gate odd upload logits spec dflash mixed async read fold"}
 for g in $TEST_GROUPS; do
   args=${G[$g]}
   ( timeout "${GROUP_TIMEOUT:-400}" python3 -m pytest -v -p no:cacheprovider --maxfail=20 \

@@ -134,6 +134,9 @@ class CudaExecutor(Executor):
         # per bucket of sequences that speculate (speculative_config): a verify step of
         # bucket x (k + 1) rows (verify_body)
         self.verify: GraphRunner | None = None
+        # DFlash: each verify graph drafts its bucket's blocks first (``verify_runner``)
+        self.fused_spec = (self.dflash is not None and envs.draft_graph()
+                           and envs.device_drafts() and envs.fused_spec())
         self._inflight: _Done | _InFlight | None = None  # the last launched step (launch)
         # deferred steps (launch_deferred): the last one whose processors have not come yet,
         # and a step queued behind it (its heads replay right after that one's tail)
@@ -157,8 +160,8 @@ class CudaExecutor(Executor):
                 if self.verify is not None:
                     ver = self.verify.capture_all(show=False)
                     self.graph_stats["verify_capture_s"] = ver["capture_s"]
-            if self.dflash is not None and envs.draft_graph():  # the draft block: one graph
-                self.graph_stats["draft_capture_s"] = self.dflash.capture_graph(self)
+            if self.dflash is not None and envs.draft_graph():  # draft blocks alone: a graph
+                self.graph_stats["draft_capture_s"] = self.dflash.capture_graphs(self)  # a bucket
 
     # -- set-up ----------------------------------------------------------------------------------
     def _allocate(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool) -> None:
@@ -203,7 +206,8 @@ class CudaExecutor(Executor):
             from engine.executor.cuda_dflash import CudaDrafter
 
             self.dflash = CudaDrafter(draft_ckpt, mc, self.page_size, s.t_max, s.pages_per_seq,
-                                      self.num_pages, self.arena, self.stream)
+                                      self.num_pages, self.arena, self.stream,
+                                      self._draft_blocks(), self._buckets())
 
     def _drafter_plan(self, mc: ModelConfig, config: EngineConfig
                       ) -> tuple[Any, int, int]:
@@ -222,7 +226,20 @@ class CudaExecutor(Executor):
         ckpt.config.check_cuda(mc, f"speculative_config.model {spec.model!r}")
         shapes = DrafterShapes.of(mc, ckpt.config, self.page_size)
         s = self.sizes
-        return ckpt, drafter_fixed_bytes(shapes, s.t_max, s.pages_per_seq), shapes.n_layers
+        return ckpt, drafter_fixed_bytes(shapes, s.t_max, s.pages_per_seq,
+                                         self._draft_blocks()), shapes.n_layers
+
+    def _draft_blocks(self) -> int:
+        """Draft blocks one launch holds: the largest bucket of speculating sequences (those
+        below ``disable_by_batch_size``), so a verify graph drafts its whole bucket, at most
+        ``MAX_DRAFT_BLOCKS``."""
+        from engine.executor.cuda_dflash import MAX_DRAFT_BLOCKS
+
+        most = min(self._spec_below() - 1, self.config.max_num_seqs)
+        if most <= 1:
+            return 1
+        top = bucket_for(most, self._buckets()) or most
+        return max(1, min(top, MAX_DRAFT_BLOCKS))
 
     def dflash_proposer(self, block_manager: Any, max_model_len: int) -> Any:
         """The proposer seam's DFlash drafter (engine/speculative.py)."""
@@ -278,7 +295,9 @@ class CudaExecutor(Executor):
         """The buckets of speculating sequences that get a verify graph: those below
         ``disable_by_batch_size``'s bucket whose ``bucket x (k + 1)`` rows fit the buffers."""
         rows, below = self._spec_rows(), self._spec_below()
-        top = bucket_for(below - 1, self._buckets()) if below > 1 else None
+        # (no more than max_num_seqs run, whatever disable_by_batch_size allows)
+        top = (bucket_for(min(below - 1, self.config.max_num_seqs), self._buckets())
+               if below > 1 else None)
         if rows == 1 or top is None:
             return []
         return [b for b in self._buckets() if b <= top and b * rows <= self.sizes.b_max]
@@ -519,15 +538,35 @@ class CudaExecutor(Executor):
     def verify_runner(self) -> GraphRunner | None:
         """Verify graphs (``verify_body``), one per bucket of speculating sequences (those below
         ``disable_by_batch_size``) whose ``bucket x (k + 1)`` rows fit the step buffers; None
-        without speculation."""
+        without speculation. With the cuda DFlash drafter's device drafts (``fused_spec``) a
+        bucket's graph is the whole speculative step: the bucket's draft blocks, their drafts
+        placed over the spans' placeholder ids (``CudaDrafter.place``), then the verify."""
         rows = self._spec_rows()
         bks = self._verify_buckets()
         if not bks:
             return None
         plan = DecodePlan(tuple(bks), {b: self.decode_splits(b) for b in bks},
                           lazy=bool(self.config.lazy_graph_capture))
-        return GraphRunner(plan, lambda b: self.stage_padding(b * rows),
-                           lambda b, _splits: self.verify_body(b * rows, b), self.stream)
+
+        def stage(b: int) -> None:
+            self.stage_padding(b * rows)
+            if self._fused(b):
+                d = self._drafter()
+                d.stage(self, [], b)
+                d.buf.src.upload(np.full(b * rows, -1, np.int32), self.stream)
+
+        def body(b: int, _splits: int) -> None:
+            if self._fused(b):
+                d = self._drafter()
+                d.body(self, b)
+                d.place(self, b * rows)
+            self.verify_body(b * rows, b)
+
+        return GraphRunner(plan, stage, body, self.stream)
+
+    def _fused(self, bucket: int) -> bool:
+        """Whether the verify graph of ``bucket`` drafts too (``verify_runner``)."""
+        return self.fused_spec and self.dflash is not None and bucket <= self.dflash.max_blocks
 
     @staticmethod
     def verify_rows(b: StepBatch) -> StepBatch | None:
@@ -577,10 +616,16 @@ class CudaExecutor(Executor):
             raise ExecutorError("a step with device drafts on an executor without a drafter")
         return self.dflash
 
-    def _place_drafts(self, b: StepBatch) -> None:
-        """After ``upload(b)``: the device drafts of ``b``'s spans over their placeholder ids."""
-        if b.device_drafts.shape[0]:
-            self._drafter().place(b.device_drafts, self.buf.input_ids, self.stream)
+    def _place_drafts(self, b: StepBatch, rows: int, num_seqs: int) -> None:
+        """After ``upload(b)`` of ``rows`` input rows: the device drafts of ``b``'s spans,
+        drafted now (unless they are) in a launch of ``num_seqs``' block bucket, copied over
+        their placeholder ids."""
+        dd = b.device_drafts
+        if dd.shape[0]:
+            d = self._drafter()
+            d.flush(self, d.blocks_for(num_seqs))
+            d.stage_src(self, dd, rows)
+            d.place(self, rows)
 
     def _execute(self, b: StepBatch) -> StepOutput:
         self._check(b)
@@ -620,7 +665,7 @@ class CudaExecutor(Executor):
         else:
             if b.num_tokens:
                 self.upload(b)
-                self._place_drafts(b)
+                self._place_drafts(b, b.num_tokens, b.num_seqs)
                 ones = self.stage_mixed(b)
                 self.forward(b.num_tokens, b.num_seqs, False, int(b.query_lens.max()), 1,
                              decode_rows=ones)
@@ -661,21 +706,35 @@ class CudaExecutor(Executor):
         return d
 
     def _verify(self, rows: StepBatch, num_seqs: int) -> tuple[np.ndarray, bool]:
-        """Run ``verify_rows``' step: its bucket's verify graph when one holds its rows, else
-        eagerly with the same kernels. (sampled ids, whether a graph ran)"""
-        v = self.verify
+        """Run ``verify_rows``' step: its bucket's verify graph when one holds its rows (with
+        ``fused_spec``, the graph drafts the step's queued blocks first), else eagerly with the
+        same kernels. (sampled ids, whether a graph ran)"""
+        v, d = self.verify, self.dflash
         n = rows.num_seqs
         if v is not None and v.can_replay(num_seqs):
             bk = v.pad(num_seqs)
             r = bk * self._spec_rows()
             if n <= r:
+                drafting = self._fused(bk)  # the graph drafts and places (verify_runner)
+                # its blocks: the queued ones (some may be of requests that are not in this
+                # step after all: more than the bucket's, then drafted first, below)
+                fused = drafting and len(d.queue) <= bk
+                if fused:
+                    d.stage(self, d.queue, bk)
                 self.upload(rows, pad_to=r)
-                self._place_drafts(rows)
+                if drafting:
+                    if not fused:  # the graph redrafts the first bk blocks as staged here
+                        d.flush(self, d.blocks_for(num_seqs))
+                    d.stage_src(self, rows.device_drafts, r)  # (every step: the graph places)
+                else:
+                    self._place_drafts(rows, r, num_seqs)
                 self.upload_sampling(rows, pad_to=r)
                 v.replay(bk)
+                if fused:
+                    d.drafted = True
                 return self._sampled(rows, n), True
         self.upload(rows)
-        self._place_drafts(rows)
+        self._place_drafts(rows, n, num_seqs)
         self.upload_sampling(rows)
         self.verify_body(n, num_seqs)
         return self._sampled(rows, n), False

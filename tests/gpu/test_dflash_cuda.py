@@ -73,15 +73,15 @@ def test_cuda_draft_logits_match_the_numpy_drafter(target, drafter):
             d.logits(ex, n, pending, pages)
             full = d.buf.logits.download(np.empty((bb, s.vocab), np.float32), ex.stream)
             ex.stream.synchronize()
-            got = full[:bb - 1, :v]
+            got = full[1:bb, :v]  # (row 0: the pending token's, unused)
             want = ref.logits(feats, pending)
             # the captured block (run: stage + graph launch): the eager block's bits
             d.buf.logits.fill_bytes(0xFF, ex.stream)  # poison (NaN)
-            d.run(ex, n, pending, pages)
+            d.run(ex, [(n, pending, pages)], 1)
             again = d.buf.logits.download(np.empty((bb, s.vocab), np.float32), ex.stream)
             ex.stream.synchronize()
-            graph_bits = bool((again[:bb - 1].view(np.uint32)
-                               == full[:bb - 1].view(np.uint32)).all())
+            graph_bits = bool((again[1:bb].view(np.uint32)
+                               == full[1:bb].view(np.uint32)).all())
             drafts = prop(req, k)
             device = type(drafts).__name__ == "DeviceDrafts"
             drafts = list(drafts)  # (DeviceDrafts: read from its slot; the span gets a list)
@@ -103,7 +103,7 @@ def test_cuda_draft_logits_match_the_numpy_drafter(target, drafter):
         llm.generate([rng.integers(5, v, n).tolist()], [sp])
     report({"test": "dflash_cuda_logits", "rows": seen})
     assert [x["n"] for x in seen] == [37, 48, 16, 700, 1025]
-    assert d.graph is not None  # captured at start-up (CUTEINFER_DRAFT_GRAPH defaults on)
+    assert 1 in d.graphs  # captured at start-up (CUTEINFER_DRAFT_GRAPH defaults on)
     for x in seen:
         assert x["graph_bits"] and x["device"], x
         assert x["err"] <= 0.03 * x["scale"] + 0.02, x
@@ -112,14 +112,14 @@ def test_cuda_draft_logits_match_the_numpy_drafter(target, drafter):
         assert x["drafts_are_argmax"], x
 
 
-def _prompts(rng, n, vocab):
-    return [rng.integers(5, vocab, int(rng.integers(4, 300))).tolist() for _ in range(n)]
+def _prompts(rng, n, vocab, lengths=(4, 300)):
+    return [rng.integers(5, vocab, int(rng.integers(*lengths))).tolist() for _ in range(n)]
 
 
-def _params(rng, n):
+def _params(rng, n, tokens=(20, 60)):
     return [SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, top_k=0 if i % 2 == 0 else 40,
                            seed=None if i % 2 == 0 else int(rng.integers(1 << 30)),
-                           max_tokens=int(rng.integers(20, 60)), ignore_eos=True)
+                           max_tokens=int(rng.integers(*tokens)), ignore_eos=True)
             for i in range(n)]
 
 
@@ -138,8 +138,15 @@ def test_dflash_on_cuda_is_lossless(target, drafter, opts):
     base = {"backend": "cuda", "max_model_len": 1024, "max_num_seqs": 64,
             "num_gpu_blocks_override": 64 * 24 + 8, **opts}
     prompts, params = _prompts(rng, 6, vocab), _params(rng, 6)
-    many_n = 8 if "num_gpu_blocks_override" in opts else 64
-    many, many_params = _prompts(rng, many_n, vocab), _params(rng, many_n)
+    if "num_gpu_blocks_override" in opts:
+        # 4 running requests of 4-7 prompt pages that grow by 10-13 pages each: more than the
+        # 40 pages, so the pool preempts whatever the draw (random lengths once did not)
+        many_n = 8
+        many = _prompts(rng, many_n, vocab, (60, 100))
+        many_params = _params(rng, many_n, (150, 200))
+    else:
+        many_n = 64
+        many, many_params = _prompts(rng, many_n, vocab), _params(rng, many_n)
     again = [p + [7, 8] for p in prompts[::2]]
     plain = LLM(str(target), **base)
     want_one = [_ids(plain.generate([p], [sp]))[0] for p, sp in zip(prompts, params, strict=True)]
@@ -208,31 +215,77 @@ def test_oracle_drafts_through_the_cuda_drafter_are_accepted(target, drafter):
     assert all(x["spec_accepted_tokens"] == x["spec_draft_tokens"] for x in m)
 
 
-def test_device_drafts_equal_downloaded_drafts_in_batches(target, drafter):
-    """Up to 7 requests speculate together (``disable_by_batch_size`` 8), so a step places
-    several device-draft slots: the run with drafts left on the device and the run with drafts
-    downloaded at proposal time (``CudaDFlashProposer.device`` False) give the same tokens and
-    the same draft / accept counts request by request (the same step compositions)."""
+def _batched_runs(target, drafter, monkeypatch, fused_values):
+    """Up to 7 requests speculating together (``disable_by_batch_size`` 8), one engine per
+    value of ``CUTEINFER_SPEC_FUSED``: {value: (LLM, outputs, per-request spec counts)}."""
     rng = np.random.default_rng()
     vocab = ModelConfig.from_pretrained(target).vocab_size
     prompts, params = _prompts(rng, 6, vocab), _params(rng, 6)
+    keys = ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")
+    runs = {}
+    for value in fused_values:
+        monkeypatch.setenv("CUTEINFER_SPEC_FUSED", value)
+        llm = LLM(str(target), backend="cuda", max_model_len=1024, enable_prefix_caching=False,
+                  num_gpu_blocks_override=16 * 64 + 8,
+                  speculative_config=_spec(drafter, disable_by_batch_size=8))
+        assert llm.engine.executor.fused_spec == (value == "1")
+        outs = llm.generate(prompts, params)
+        runs[value] = (llm, _ids(outs), [[o.metrics.get(k, 0) for k in keys] for o in outs])
+        assert llm.engine.block_manager.gauges()["live"] == 0
+        if value != fused_values[-1]:
+            del llm
+            runs[value] = (None, *runs[value][1:])
+    return runs
+
+
+def test_fused_and_split_speculative_steps_agree_in_batches(target, drafter, monkeypatch):
+    """The whole speculative step in one graph (draft blocks, placement, verify: the default)
+    and the draft blocks' own graph before the verify graph (``CUTEINFER_SPEC_FUSED=0``) run
+    the same kernels on the same blocks: the same tokens and the same draft / accept counts
+    request by request."""
+    runs = _batched_runs(target, drafter, monkeypatch, ("0", "1"))
+    assert runs["1"][1:] == runs["0"][1:]
+    llm = runs["1"][0]
+    prop = llm.engine.scheduler.proposer
+    assert prop.counts["device"] > 0 and prop.counts["host"] == 0
+    assert sum(m[1] for m in runs["1"][2]) > 0
+    report({"test": "dflash_fused_vs_split_batched", "counts": dict(prop.counts),
+            "drafted": sum(m[1] for m in runs["1"][2]),
+            "accepted": sum(m[2] for m in runs["1"][2])})
+
+
+def test_a_fused_step_reads_back_the_drafts_it_placed(target, drafter):
+    """Every span's drafts that a fused speculative step returns (``StepOutput.drafts``, from
+    which acceptance is computed) are the ids its graph placed over the span's rows (the step's
+    input ids, read after the step), and a proposal the step drafted is never left unread."""
+    rng = np.random.default_rng()
+    vocab = ModelConfig.from_pretrained(target).vocab_size
     llm = LLM(str(target), backend="cuda", max_model_len=1024, enable_prefix_caching=False,
               num_gpu_blocks_override=16 * 64 + 8,
               speculative_config=_spec(drafter, disable_by_batch_size=8))
-    prop = llm.engine.scheduler.proposer
-    keys = ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")
-    runs = {}
-    for device in (False, True):
-        prop.device = device
-        outs = llm.generate(prompts, params)
-        runs[device] = (_ids(outs), [[o.metrics.get(k, 0) for k in keys] for o in outs])
-    assert prop.counts["device"] > len(prompts) and prop.counts["host"] > len(prompts)
-    assert runs[True] == runs[False]
-    assert sum(m[1] for m in runs[True][1]) > 0
-    assert llm.engine.block_manager.gauges()["live"] == 0
-    report({"test": "dflash_device_drafts_batched", "counts": dict(prop.counts),
-            "drafted": sum(m[1] for m in runs[True][1]),
-            "accepted": sum(m[2] for m in runs[True][1])})
+    ex = llm.engine.executor
+    assert ex.fused_spec and ex.verify is not None
+    execute, seen = ex.execute, {"spans": 0, "steps": 0, "graph": 0}
+
+    def checked(b):
+        out = execute(b)
+        dd = b.device_drafts
+        if dd.shape[0]:
+            ids = ex.buf.input_ids.download(np.empty(b.num_tokens, np.int32), ex.stream)
+            ex.stream.synchronize()
+            assert out.drafts is not None and len(out.drafts) == dd.shape[0]
+            for (_block, row, k), drafts in zip(dd.tolist(), out.drafts, strict=True):
+                assert ids[row:row + k].tolist() == drafts, (row, k)
+                assert all(0 <= t < vocab for t in drafts)
+            seen["spans"] += dd.shape[0]
+            seen["steps"] += 1
+            seen["graph"] += int(out.graph)
+        return out
+
+    ex.execute = checked
+    llm.generate(_prompts(rng, 7, vocab), _params(rng, 7))
+    assert seen["steps"] > 0 and seen["graph"] > 0 and seen["spans"] > seen["steps"], seen
+    report({"test": "dflash_fused_placed_equals_read", **seen})
 
 
 def test_issue_681_scenario_with_the_cuda_drafter(target, drafter):
@@ -252,27 +305,30 @@ def test_issue_681_scenario_with_the_cuda_drafter(target, drafter):
         k: g[k] for k in ("draft_tokens", "accepted_tokens", "drafts")}})
 
 
-def test_device_drafts_that_are_right_are_accepted(target, drafter):
-    """Device drafts with every draft right: the drafter's block runs, then its tokens are
-    overwritten on the device with the plain run's continuation before the slot copy, so the
-    placement over the placeholders (``place``) and the slots' download (``drafts_of``) carry
-    drafts that verification accepts: nearly every draft accepted, outputs unchanged."""
+def test_device_drafts_that_are_right_are_accepted(target, drafter, monkeypatch):
+    """Device drafts with every draft right: the drafter's blocks run (the split path:
+    ``CUTEINFER_SPEC_FUSED=0``, so the host can step in), then their tokens are overwritten on
+    the device with the plain run's continuation, so the placement over the placeholders
+    (``place``) and the blocks' download (``drafts_of``) carry drafts that verification
+    accepts: nearly every draft accepted, outputs unchanged."""
+    monkeypatch.setenv("CUTEINFER_SPEC_FUSED", "0")
     vocab, prompts, params, want, future, spec = _plain_then_spec(target, drafter)
     prop, d = spec.engine.scheduler.proposer, spec.engine.executor.dflash
-    run, nxt = d.run, {}
+    assert not spec.engine.executor.fused_spec
+    flush, nxt = d.flush, {}
+    bb = d.shapes.block
 
-    def run_right(ex, n_ctx, pending, pages):
-        run(ex, n_ctx, pending, pages)
-        arr = np.zeros(d.shapes.block, np.int32)
-        arr[:len(nxt["t"])] = nxt["t"]
-        d.buf.sampled.upload(arr, ex.stream)  # (stream order: after the block, before the slot)
+    def flush_right(ex, blocks=0):
+        flush(ex, blocks)
+        arr = np.zeros(d.buf.rows, np.int32)
+        arr[1:1 + len(nxt["t"])] = nxt["t"]  # (one request at a time: block 0)
+        d.buf.sampled.upload(arr, ex.stream)  # (stream order: after the blocks, before place)
 
     def oracle(req, k):
-        nxt["t"] = future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][
-            :d.shapes.block - 1]
+        nxt["t"] = future[tuple(req.prompt_token_ids)][len(req.output_token_ids):][:bb - 1]
         return prop(req, k)
 
-    d.run = run_right
+    d.flush = flush_right
     spec.engine.scheduler.proposer = oracle
     outs = [spec.generate([p], [sp])[0] for p, sp in zip(prompts, params, strict=True)]
     assert _ids(outs) == want

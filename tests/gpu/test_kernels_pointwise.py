@@ -18,6 +18,7 @@ from tests.kernel_refs import (
     ref_embedding,
     ref_filter_margin,
     ref_gumbel_margin,
+    ref_place_tokens,
     ref_rmsnorm,
     ref_rope_kv,
     ref_scale_cols,
@@ -91,6 +92,32 @@ def test_embedding_gathers_rows(cuda_ctx, stream, seed, hidden, tokens):
     stream.synchronize()
     np.testing.assert_array_equal(_bits(out.download()), _bits(ref_embedding(ids, table)),
                                   err_msg=f"seed={seed}")
+
+
+# ---- draft placement ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 127, 128, 129, 1000, 4111])
+def test_place_tokens_matches_numpy(cuda_ctx, stream, seed, rows):
+    """``ids[t] = tokens[src[t]]`` where ``src[t]`` is a token's index; rows whose source is
+    negative or past the tokens keep their (poisoned: 0xFFFFFFFF) id; rows past ``rows`` are
+    never written."""
+    from cutlass_kernels.place_tokens import compile_place_tokens
+
+    rng = np.random.default_rng(seed)
+    n_tok = int(rng.integers(1, 300))
+    tokens = rng.integers(0, 151936, n_tok).astype(np.int32)
+    src = rng.integers(-3, n_tok + 3, rows).astype(np.int32)
+    src[0] = n_tok - 1
+    if rows >= 3:
+        src[1], src[-1] = -1, n_tok  # kept: no source, out of range
+    ids = _poisoned(rows + 64, np.int32, stream)
+    compile_place_tokens()(_dev(src), _dev(tokens), ids, n_tok, rows, stream)
+    stream.synchronize()
+    got = ids.download()
+    want = ref_place_tokens(src, tokens, np.full(rows, -1, np.int32))
+    np.testing.assert_array_equal(got[:rows], want, err_msg=f"seed={seed}")
+    assert (got[rows:] == -1).all(), "a row past num_rows was written"
 
 
 # ---- RMSNorm ----------------------------------------------------------------------------------
