@@ -244,3 +244,76 @@ def test_verify_graphs_cover_the_batches_that_speculate(below, max_num_seqs, wan
         max_num_seqs=max_num_seqs, cuda_graph_max_bs=None)
     ex.sizes = SimpleNamespace(b_max=128)
     assert ex._verify_buckets() == want
+
+
+class _Runner:
+    """A verify GraphRunner stand-in: every bucket of ``buckets`` replays."""
+
+    def __init__(self, buckets) -> None:
+        self.buckets, self.replayed = buckets, []
+
+    def can_replay(self, n: int) -> bool:
+        return n <= self.buckets[-1]
+
+    def pad(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def replay(self, b: int) -> None:
+        self.replayed.append(b)
+
+
+def _verify_step(fused: bool, queued: int, num_seqs: int, graphs: bool = True):
+    """``CudaExecutor._verify`` over stand-ins (k = 15, blocks 8): what it stages, drafts,
+    places and replays for a step of ``num_seqs`` sequences with ``queued`` proposed blocks,
+    the first ``num_seqs`` of them taken by the step's spans."""
+    from engine.executor.cuda_executor import CudaExecutor
+
+    log = []
+    ex = object.__new__(CudaExecutor)
+    ex.fused_spec = fused
+    ex.verify = _Runner([1, 2, 4, 8]) if graphs else None
+    d = _drafter(8)
+    d.queue = [(20 + j, 5, np.arange(3, dtype=np.int32)) for j in range(queued)]
+    stage, stage_src = d.stage, d.stage_src
+    d.stage = lambda e, reqs, blocks: (log.append(("stage", len(reqs), blocks)),
+                                       stage(e, reqs, blocks))
+    d.stage_src = lambda e, dd, rows: (log.append(("src", rows)), stage_src(e, dd, rows))
+    d.place = lambda e, rows: log.append(("place", rows))
+    ex.dflash = d
+    ex.config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=15))
+    ex.stream = None
+    ex.upload = lambda b, pad_to=None: log.append(("upload", pad_to))
+    ex.upload_sampling = lambda b, pad_to=None: None
+    ex._sampled = lambda b, n: np.zeros(n, np.int32)
+    ex.verify_body = lambda n, seqs: log.append(("verify_body", n))
+    dd = np.array([[j, 16 * j + 1, 15] for j in range(num_seqs)], np.int32)
+    rows = SimpleNamespace(num_seqs=16 * num_seqs, device_drafts=dd)
+    ex._verify(rows, num_seqs)
+    return log, d, ex
+
+
+def test_a_fused_verify_stages_its_blocks_and_lets_the_graph_draft() -> None:
+    log, d, ex = _verify_step(True, 3, 3)
+    assert log[:3] == [("stage", 3, 4), ("upload", 64), ("src", 64)]
+    assert [x for x in d.log if x[0] == "body"] == []  # the graph drafts
+    assert ex.verify.replayed == [4] and d.drafted
+    assert d.buf.src.host[1:16].tolist() == list(range(1, 16))
+
+
+def test_more_blocks_than_the_bucket_are_drafted_first() -> None:
+    """Blocks proposed for requests that are not in the step (their span did not fit): the
+    queue outgrows the bucket; its blocks are drafted in their own launch first, the graph
+    then redrafts the first bucket's worth over the same staged inputs and places them."""
+    log, d, ex = _verify_step(True, 3, 1)
+    assert ("body", 4) in d.log and log[-1] == ("src", 16)
+    assert not any(x[0] == "stage" and x[2] == 1 for x in log)
+    assert ex.verify.replayed == [1]
+
+
+def test_split_and_eager_verifies_draft_then_place() -> None:
+    log, d, ex = _verify_step(False, 2, 2)
+    assert [x for x in d.log if x[0] == "body"] == [("body", 2)]
+    assert log[-2:] == [("src", 32), ("place", 32)] and ex.verify.replayed == [2]
+    log, d, ex = _verify_step(True, 2, 2, graphs=False)
+    assert [x for x in d.log if x[0] == "body"] == [("body", 2)]
+    assert log[-3:] == [("src", 32), ("place", 32), ("verify_body", 32)]
