@@ -235,6 +235,7 @@ def _batched_runs(target, drafter, monkeypatch, fused_values):
         if value != fused_values[-1]:
             del llm
             runs[value] = (None, *runs[value][1:])
+    runs["prompts"] = (prompts, params)
     return runs
 
 
@@ -242,12 +243,20 @@ def test_fused_and_split_speculative_steps_agree_in_batches(target, drafter, mon
     """The whole speculative step in one graph (draft blocks, placement, verify: the default)
     and the draft blocks' own graph before the verify graph (``CUTEINFER_SPEC_FUSED=0``) run
     the same kernels on the same blocks: the same tokens and the same draft / accept counts
-    request by request."""
+    request by request; so do drafts downloaded when proposed (``CudaDFlashProposer.device``
+    False)."""
     runs = _batched_runs(target, drafter, monkeypatch, ("0", "1"))
     assert runs["1"][1:] == runs["0"][1:]
     llm = runs["1"][0]
     prop = llm.engine.scheduler.proposer
     assert prop.counts["device"] > 0 and prop.counts["host"] == 0
+    # drafts downloaded when proposed (each block alone: CUTEINFER_DEVICE_DRAFTS=0's path); the
+    # random drafter's drafts are all rejected either way, so the steps and outputs match
+    prop.device = False
+    outs = llm.generate(*runs["prompts"])
+    assert prop.counts["host"] > 0
+    keys = ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")
+    assert (_ids(outs), [[o.metrics.get(k, 0) for k in keys] for o in outs]) == runs["1"][1:]
     assert sum(m[1] for m in runs["1"][2]) > 0
     report({"test": "dflash_fused_vs_split_batched", "counts": dict(prop.counts),
             "drafted": sum(m[1] for m in runs["1"][2]),
