@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine.request import RequestStatus
 from engine.step import (
     FLAG_ALLOWED,
     FLAG_GRAMMAR,
@@ -229,10 +230,13 @@ class LogitsProcessorState:
         """The step's rows (one per sample row, in order), or None when none has a processor.
         A request already finished (async scheduling: by the step before this one, whose row
         here is dropped) samples unconstrained."""
-        rps = [None if r.is_finished else r.procs for r in sample_reqs]
-        if not any(rps):
+        finished = RequestStatus.FINISHED
+        # the rows with processors (a few of the step's, usually)
+        have = [(i, r, r.procs) for i, r in enumerate(sample_reqs)
+                if r.procs is not None and r.status != finished]
+        if not have:
             return None
-        s, v = len(rps), self.vocab_size
+        s, v = len(sample_reqs), self.vocab_size
         flags = np.zeros(s, np.uint32)
         slot = np.full(s, -1, np.int32)
         pen = np.zeros((s, 3), np.float32)
@@ -243,10 +247,8 @@ class LogitsProcessorState:
         vals: list[np.ndarray] = []
         structured: list[StructuredRequest] = []
         inits: list[SlotInit] = []
-        in_step = {rp.slot for rp in rps if rp is not None and rp.slot is not None}
-        for i, (req, rp) in enumerate(zip(sample_reqs, rps, strict=True)):
-            if rp is None:
-                continue
+        in_step = {rp.slot for _i, _r, rp in have if rp.slot is not None}
+        for i, req, rp in have:
             f = 0
             if rp.structured is not None:
                 f |= FLAG_GRAMMAR
@@ -302,10 +304,11 @@ class LogitsProcessorState:
         finishes it with ``error``."""
         if not self.live:
             return
+        finished = RequestStatus.FINISHED
         for sr in out.seqs:
             req = sr.request
             rp = req.procs
-            if not sr.sample or rp is None or rp.structured is None or req.is_finished:
+            if rp is None or not sr.sample or rp.structured is None or req.status == finished:
                 continue
             res = rp.structured.accept(req.output_token_ids[-1])
             if res is Advance.DONE:
