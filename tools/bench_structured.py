@@ -130,6 +130,11 @@ def main() -> None:
     _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks")
     _Timed(acc, "prepare", eng.processors, "prepare")
     _Timed(acc, "after_step", eng.processors, "after_step")
+    # the hand-off to the mask thread (it waits until that thread holds the GIL; docs/perf.md
+    # v25 item 4)
+    from engine.step import ProcessorRows
+
+    _Timed(acc, "fill_async", ProcessorRows, "fill_async")
     _Timed(acc, "update", eng.scheduler, "update_from_output")
     _Timed(acc, "schedule", eng.scheduler, "schedule_continuation")
     _Timed(acc, "build", eng, "_build")
