@@ -235,11 +235,16 @@ class CudaExecutor(Executor):
         ``MAX_DRAFT_BLOCKS``."""
         from engine.executor.cuda_dflash import MAX_DRAFT_BLOCKS
 
-        most = min(self._spec_below() - 1, self.config.max_num_seqs)
+        most, top = self._spec_most()
         if most <= 1:
             return 1
-        top = bucket_for(most, self._buckets()) or most
-        return max(1, min(top, MAX_DRAFT_BLOCKS))
+        return max(1, min(top or most, MAX_DRAFT_BLOCKS))
+
+    def _spec_most(self) -> tuple[int, int | None]:
+        """The most sequences that may speculate together (fewer than
+        ``disable_by_batch_size``, at most ``max_num_seqs``; < 1: none) and their bucket."""
+        most = min(self._spec_below() - 1, self.config.max_num_seqs)
+        return most, bucket_for(most, self._buckets()) if most >= 1 else None
 
     def dflash_proposer(self, block_manager: Any, max_model_len: int) -> Any:
         """The proposer seam's DFlash drafter (engine/speculative.py)."""
@@ -292,12 +297,10 @@ class CudaExecutor(Executor):
         return max(plain, verify, graphs)
 
     def _verify_buckets(self) -> list[int]:
-        """The buckets of speculating sequences that get a verify graph: those below
-        ``disable_by_batch_size``'s bucket whose ``bucket x (k + 1)`` rows fit the buffers."""
-        rows, below = self._spec_rows(), self._spec_below()
-        # (no more than max_num_seqs run, whatever disable_by_batch_size allows)
-        top = (bucket_for(min(below - 1, self.config.max_num_seqs), self._buckets())
-               if below > 1 else None)
+        """The buckets of speculating sequences that get a verify graph: those up to the bucket
+        of the most that may speculate together (``_spec_most``) whose ``bucket x (k + 1)`` rows
+        fit the buffers."""
+        rows, (_most, top) = self._spec_rows(), self._spec_most()
         if rows == 1 or top is None:
             return []
         return [b for b in self._buckets() if b <= top and b * rows <= self.sizes.b_max]
