@@ -51,7 +51,7 @@ SCHEMAS = {
 class _Timed:
     """Wraps ``obj.name`` to add its wall time (ms) to ``acc[key]``."""
 
-    def __init__(self, acc: dict, key: str, obj, name: str) -> None:
+    def __init__(self, acc: dict, key: str, obj, name: str, events: list | None = None) -> None:
         fn = getattr(obj, name)
 
         def timed(*a, **k):
@@ -59,7 +59,10 @@ class _Timed:
             try:
                 return fn(*a, **k)
             finally:
-                acc[key] = acc.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
+                t1 = time.perf_counter()
+                acc[key] = acc.get(key, 0.0) + (t1 - t0) * 1e3
+                if events is not None:
+                    events.append((key, t0, t1))
 
         setattr(obj, name, timed)
 
@@ -75,6 +78,7 @@ def _run(eng, n: int, params_of, prompt_len: int, steps: int) -> dict:
     times = []
     acc = eng._bench_acc
     acc.clear()
+    eng._bench_events.clear()
     probe = reqs[-1]  # unconstrained: runs through every timed step
     n0, t_start = len(probe.output_token_ids), time.perf_counter()
     for _ in range(steps):
@@ -96,7 +100,31 @@ def _run(eng, n: int, params_of, prompt_len: int, steps: int) -> dict:
     return {"ms_per_token": elapsed / max(tokens, 1), "tokens": tokens,
             "call_ms_p50": float(np.median(t)), "still_running": running,
             # per step: where the time went (executor.execute includes the GPU wait)
-            **{f"{k}_ms": v / steps for k, v in acc.items()}}
+            **{f"{k}_ms": v / steps for k, v in acc.items()},
+            "timeline": _timeline(eng._bench_events)}
+
+
+def _timeline(events: list) -> dict:
+    """Where a structured step's critical path goes (medians, ms): the sampled tokens arrive
+    (``finish`` returns) -> the mask job starts (``tokens_to_masks``) -> it ends (``masks``) ->
+    the main thread reaches ``launch_procs`` (``masks_to_launch``: positive, the masks waited
+    for the main thread; negative, the main thread waited for the masks). ``finish_wait``: the
+    main thread blocked on the GPU (near 0: the host is the bottleneck)."""
+    ev = sorted(events, key=lambda e: e[1])
+    fin = [e for e in ev if e[0] == "finish"]
+    masks = [e for e in ev if e[0] == "masks"]
+    lp = [e for e in ev if e[0] == "launch_procs"]
+    a, m, b = [], [], []
+    for _, t0, t1 in masks:
+        f = [e for e in fin if e[2] <= t0]
+        n = [e for e in lp if e[1] >= t0]
+        if f and n:
+            a.append((t0 - f[-1][2]) * 1e3)
+            m.append((t1 - t0) * 1e3)
+            b.append((n[0][1] - t1) * 1e3)
+    med = (lambda x: round(float(np.median(x)), 4) if x else None)
+    return {"steps": len(m), "tokens_to_masks": med(a), "masks": med(m),
+            "masks_to_launch": med(b), "finish_wait": med([(t1 - t0) * 1e3 for _, t0, t1 in fin])}
 
 
 def main() -> None:
@@ -122,12 +150,13 @@ def main() -> None:
                                max_model_len=1024), process_outputs=not a.core_only)
     n_out = a.steps + 16
     eng._bench_acc = acc = {}
+    eng._bench_events = ev = []
     _Timed(acc, "execute", eng.executor, "execute")
-    _Timed(acc, "launch_procs", eng.executor, "launch_procs")
+    _Timed(acc, "launch_procs", eng.executor, "launch_procs", ev)
     _Timed(acc, "launch_deferred", eng.executor, "launch_deferred")
-    _Timed(acc, "finish", eng.executor, "finish")
+    _Timed(acc, "finish", eng.executor, "finish", ev)
     _Timed(acc, "outputs", eng.output_processor, "process")
-    _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks")
+    _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks", ev)
     _Timed(acc, "prepare", eng.processors, "prepare")
     _Timed(acc, "after_step", eng.processors, "after_step")
     # the hand-off to the mask thread (it waits until that thread holds the GIL; docs/perf.md
