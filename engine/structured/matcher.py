@@ -76,7 +76,10 @@ class _Shards:
 def _ll_tokenizer(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]) -> Any:
     from llguidance import LLTokenizer
 
-    return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos))
+    try:
+        return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos))
+    except TypeError:  # older llguidance (1.6.1) takes one EOS id: the grammar ends on the first
+        return LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos[0])
 
 
 class GrammarCache:
