@@ -28,7 +28,7 @@ from engine.executor.base import ExecutorError
 from engine.executor.registry import create_executor
 from engine.input_processor import InputProcessor, RequestError, check_text
 from engine.kv import BlockManager
-from engine.logits_processors import LogitsProcessorState, ProcessorError
+from engine.logits_processors import EarlyMasks, LogitsProcessorState, ProcessorError
 from engine.model.loader import load_checkpoint
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestDelta, RequestOutput
@@ -352,29 +352,47 @@ class LLMEngine(OutputViews):
             self.scheduler.fail_step(nxt, set(), "the step before it failed")
             nxt = None
         later: list[_Later] = []
-        then = None
+        then = early = None
         if nxt is not None and deferred and launched[1] is None:
+            # nxt's grammar masks start now, from out's samples, and compute while out's
+            # outputs are committed (the commit's finishes are applied to the matchers after it)
+            early = self._start_early(out, step, nxt)
+
             def then() -> None:  # after out's tokens advanced the matchers, before its outputs
-                later.append(self._prepare_later(nxt, launched[0]))
-        changed = self._complete(out, step, failure, finished=True, then=then)
+                later.append(self._prepare_later(nxt, launched[0], early))
+        changed = self._complete(out, step, failure, finished=True, then=then, early=early)
         if nxt is not None:
             if later:
                 launched = (later[0], None)
             self._pending = (nxt, *launched)
         return changed
 
-    def _prepare_later(self, out: SchedulerOutput, handle: Any) -> _Later:
+    def _mask_submit(self) -> Callable[[Callable[[], None]], Any]:
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="cuteinfer-masks")
+        return self._mask_pool.submit
+
+    def _start_early(self, done: SchedulerOutput, step: StepOutput | None,
+                     nxt: SchedulerOutput) -> EarlyMasks | None:
+        """``start_early``: ``done``'s matchers advanced and ``nxt``'s masks started before
+        ``done``'s outputs are committed. None (the usual path in ``_complete``) when ``done``
+        failed."""
+        if step is None or step.sampled.shape[0] < len(done.seqs):
+            return None
+        return self.processors.start_early(done, step.sampled, [s.request for s in nxt.seqs],
+                                           self._mask_submit())
+
+    def _prepare_later(self, out: SchedulerOutput, handle: Any,
+                       early: EarlyMasks | None = None) -> _Later:
         """A deferred step's logits processor rows, now that the step before it is complete (a
         request that step finished samples unconstrained here; its row is dropped); its grammar
-        masks start on the mask thread."""
+        masks start on the mask thread (or started there already: ``early``)."""
         try:
-            procs = self.processors.prepare([s.request for s in out.seqs])
+            procs = self.processors.prepare([s.request for s in out.seqs], early)
         except Exception as e:  # noqa: BLE001 -- fails this step (``_launch_procs``)
             return _Later(handle, None, e)
         if procs is not None and procs.fill is not None:
-            if self._mask_pool is None:
-                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="cuteinfer-masks")
-            procs.fill_async(self._mask_pool.submit)
+            procs.fill_async(self._mask_submit())
         return _Later(handle, procs, None)
 
     def _launch_procs(self, later: _Later) -> tuple[Any, tuple[set[int] | None, str] | None]:
@@ -391,11 +409,12 @@ class LLMEngine(OutputViews):
 
     def _complete(self, out: SchedulerOutput, handle: Any,
                   failure: tuple[set[int] | None, str] | None,
-                  finished: bool = False, then: Callable[[], None] | None = None
-                  ) -> list[Request]:
+                  finished: bool = False, then: Callable[[], None] | None = None,
+                  early: EarlyMasks | None = None) -> list[Request]:
         """Wait for a launched step (``finished``: ``handle`` is its output already) and
         commit its results: tokens, finishes, outputs; or fail it. ``then``: called once the
-        tokens are committed and the matchers advanced, before the outputs are processed."""
+        tokens are committed and the matchers advanced, before the outputs are processed.
+        ``early``: the matchers were advanced already (``_start_early``)."""
         step = handle
         if not finished:
             step, failure = self._finish(handle, failure)
@@ -411,7 +430,7 @@ class LLMEngine(OutputViews):
         self.stats.eager_steps += int(not step.graph)
         changed = self.scheduler.update_from_output(out, step)
         self.processors.after_step(out, self.scheduler.finish, FinishReason.STOP,
-                                   FinishReason.ERROR)  # matchers take the sampled tokens
+                                   FinishReason.ERROR, early)  # matchers take the tokens
         if then is not None:
             then()
         if self.process_outputs:

@@ -36,12 +36,14 @@ from engine.step import (
     FLAG_SPARSE,
     ProcessorRows,
     SlotInit,
+    submit_started,
 )
 from engine.structured.grammar import GrammarError
 from engine.structured.matcher import Advance, GrammarCache, StructuredRequest, bitmask_words
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+    from typing import Any
 
     from engine.request import FinishReason, Request
     from engine.sampling_params import SamplingParams
@@ -49,6 +51,23 @@ if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
 
 NEG_INF = np.float32(-np.inf)
+
+
+class EarlyMasks:
+    """A pipelined step's grammar masks, started as soon as the step before it is sampled:
+    its matchers advanced (``advanced``: id(request) -> (request, Advance), applied to the
+    requests by ``after_step`` once that step's outputs are committed) and the next step's masks
+    computing on the mask thread (``future``) while the main thread commits the outputs.
+    ``rows``: id(StructuredRequest) -> its row of ``mask``. A request that the commit then
+    finishes keeps its row, unused."""
+
+    __slots__ = ("advanced", "mask", "rows", "future")
+
+    def __init__(self, advanced: dict[int, tuple[Request, Advance]]) -> None:
+        self.advanced = advanced
+        self.mask: np.ndarray | None = None
+        self.rows: dict[int, int] = {}
+        self.future: Any = None
 
 
 class ProcessorError(ValueError):
@@ -226,10 +245,53 @@ class LogitsProcessorState:
         req.procs = rp
         self.live.add(id(rp))
 
-    def prepare(self, sample_reqs: Sequence[Request]) -> ProcessorRows | None:
+    def start_early(self, done: SchedulerOutput, sampled: np.ndarray,
+                    sample_reqs: Sequence[Request],
+                    submit: Callable[[Callable[[], None]], Any]) -> EarlyMasks | None:
+        """Async scheduling, before ``done``'s outputs are committed: advance the matchers of
+        ``done``'s constrained rows by their tokens (``sampled``, one per row: a decode step)
+        and start the masks of the next step's rows (``sample_reqs``) on the mask thread
+        (``submit``), so they compute while the commit runs. None when no row is
+        constrained. ``after_step(..., early=)`` then applies the advances; ``prepare(...,
+        early=)`` takes the masks."""
+        finished = RequestStatus.FINISHED
+        advanced: dict[int, tuple[Request, Advance]] = {}
+        for row, sr in enumerate(done.seqs):
+            req = sr.request
+            rp = req.procs
+            if rp is None or not sr.sample or rp.structured is None or req.status == finished:
+                continue
+            try:
+                res = rp.structured.accept(int(sampled[row]))
+            except Exception:  # noqa: BLE001 -- (as a grammar that cannot continue)
+                res = Advance.ERROR
+            advanced[id(req)] = (req, res)
+        cont = Advance.CONTINUE
+        structured = []
+        for req in sample_reqs:
+            rp = req.procs
+            if (rp is None or rp.structured is None or req.status == finished
+                    or advanced.get(id(req), (req, cont))[1] is not cont):
+                continue
+            structured.append(rp.structured)
+        if not advanced and not structured:
+            return None
+        early = EarlyMasks(advanced)
+        if structured:  # (should this fail, ``prepare`` computes the masks itself)
+            mask = np.empty((len(structured), self.words), np.uint32)
+            grammars = self.grammars
+            early.future = submit_started(
+                submit, lambda: grammars.fill_bitmasks(structured, mask))
+            early.rows = {id(st): k for k, st in enumerate(structured)}
+            early.mask = mask
+        return early
+
+    def prepare(self, sample_reqs: Sequence[Request],
+                early: EarlyMasks | None = None) -> ProcessorRows | None:
         """The step's rows (one per sample row, in order), or None when none has a processor.
         A request already finished (async scheduling: by the step before this one, whose row
-        here is dropped) samples unconstrained."""
+        here is dropped) samples unconstrained. ``early``: the masks ``start_early`` started
+        for these rows (a constrained row it lacks: they are computed here instead)."""
         finished = RequestStatus.FINISHED
         # the rows with processors (a few of the step's, usually)
         have = [(i, r, r.procs) for i, r in enumerate(sample_reqs)
@@ -273,20 +335,30 @@ class LogitsProcessorState:
             if f & ~FLAG_GRAMMAR and req.params.logprobs is not None:
                 f |= FLAG_SAVE_RAW  # its logprobs are of the row before these processors
             flags[i] = f
-        mask = np.empty((len(structured), self.words), np.uint32)
-        fill = None
-        if structured:  # computed by the executor (ProcessorRows.fill_masks), maybe overlapped
-            grammars = self.grammars
+        fill = future = None
+        if (structured and early is not None and early.mask is not None
+                and all(id(st) in early.rows for st in structured)):
+            mask, future = early.mask, early.future  # (rows of finished requests: unused)
+            took = grow >= 0
+            grow[took] = [early.rows[id(structured[g])] for g in grow[took]]
+        else:
+            if early is not None and early.future is not None:
+                early.future.exception()  # (not used: let the mask thread finish it first)
+            mask = np.empty((len(structured), self.words), np.uint32)
+            if structured:  # computed by the executor (ProcessorRows.fill_masks), maybe
+                grammars = self.grammars  # overlapped
 
-            def fill() -> None:
-                grammars.fill_bitmasks(structured, mask)
+                def fill() -> None:
+                    grammars.fill_bitmasks(structured, mask)
 
-        return ProcessorRows(
+        rows = ProcessorRows(
             flags=flags, slot=slot, penalties=pen, grammar_row=grow, grammar_mask=mask,
             sparse_start=np.cumsum(counts, dtype=np.int32),
             sparse_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
             sparse_vals=np.concatenate(vals) if vals else np.zeros(0, np.float32),
             inits=inits, fill=fill)
+        rows._future = future
+        return rows
 
     def step_failed(self, out: SchedulerOutput) -> None:
         """A step that did not run may have lost its slot inits: its requests' slots are
@@ -298,19 +370,28 @@ class LogitsProcessorState:
 
     def after_step(self, out: SchedulerOutput,
                    finish: Callable[..., None], stop: FinishReason,
-                   error: FinishReason) -> None:
-        """The step's sampled tokens are appended: advance the matchers. A grammar completed
+                   error: FinishReason, early: EarlyMasks | None = None) -> None:
+        """The step's sampled tokens are appended: advance the matchers (``early``: they were
+        advanced by ``start_early``; only the outcomes are applied here). A grammar completed
         finishes its request (``stop``: only EOS could follow); one that cannot continue
-        finishes it with ``error``."""
+        finishes it with ``error``. A request the commit finished is left as it is."""
         if not self.live:
             return
         finished = RequestStatus.FINISHED
-        for sr in out.seqs:
-            req = sr.request
+        if early is not None:
+            done = [(req, res) for req, res in early.advanced.values()
+                    if req.status != finished]
+        else:
+            done = []
+            for sr in out.seqs:
+                req = sr.request
+                rp = req.procs
+                if (rp is None or not sr.sample or rp.structured is None
+                        or req.status == finished):
+                    continue
+                done.append((req, rp.structured.accept(req.output_token_ids[-1])))
+        for req, res in done:
             rp = req.procs
-            if rp is None or not sr.sample or rp.structured is None or req.status == finished:
-                continue
-            res = rp.structured.accept(req.output_token_ids[-1])
             if res is Advance.DONE:
                 finish(req, stop)
             elif res is Advance.ERROR:

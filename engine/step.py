@@ -103,6 +103,21 @@ class SlotInit:
     output_ids: np.ndarray  # int32: the outputs generated before (counted at init)
 
 
+def submit_started(submit: Callable[[Callable[[], None]], Any], fn: Callable[[], None]) -> Any:
+    """``submit(fn)`` (an executor's), returning its future once the worker thread runs ``fn``:
+    a busy main thread would otherwise hold the GIL for the interpreter's whole switch interval
+    (5 ms) before the worker could start. The wait releases the GIL."""
+    started = threading.Event()
+
+    def run() -> None:
+        started.set()
+        fn()
+
+    fut = submit(run)
+    started.wait()
+    return fut
+
+
 @dataclass
 class ProcessorRows:
     """The logits processors of one step's S sample rows (W = ceil(V / 32) bitmask words).
@@ -132,14 +147,7 @@ class ProcessorRows:
         switch interval (5 ms): this waits (GIL released) until the thread has started."""
         if self.fill is not None:
             fill, self.fill = self.fill, None
-            started = threading.Event()
-
-            def run() -> None:
-                started.set()
-                fill()
-
-            self._future = submit(run)
-            started.wait()
+            self._future = submit_started(submit, fill)
 
     def fill_masks(self, wait_only: bool = False) -> None:
         """The grammar bitmasks, computed now (once), or waited for (``wait_only``: only

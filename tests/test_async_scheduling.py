@@ -386,8 +386,22 @@ def test_structured_output_pipelines_and_equals_synchronous(chat_dir: Path) -> N
     want = LLM(str(chat_dir), async_scheduling=False, **opts).generate(["Answer:"] * 12, ps)
     llm = LLM(str(chat_dir), async_scheduling=True, **opts)
     seen = _deferred_count(llm)
+    procs, early_used = llm.engine.processors, [0, 0]
+    inner = procs.prepare
+
+    def prepare(reqs, early=None):  # count the steps whose masks were started early
+        rows = inner(reqs, early)
+        if early is not None and early.mask is not None:
+            early_used[0] += 1
+            early_used[1] += rows is not None and rows.grammar_mask is early.mask
+        return rows
+
+    procs.prepare = prepare
     _same(llm.generate(["Answer:"] * 12, ps), want, "structured")
     assert seen[0] > 0
+    # the masks of deferred steps started before the previous step's outputs were committed,
+    # and the rows took them
+    assert early_used[0] > 0 and early_used[1] == early_used[0], early_used
     assert not llm.engine.processors.active
     _no_pages_left(llm)
 

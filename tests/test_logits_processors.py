@@ -306,3 +306,56 @@ def test_grammar_that_cannot_continue_ends_with_an_error(chat: LLM) -> None:
     ok = chat.generate(["Say x:"], SamplingParams(max_tokens=8, temperature=0,
                                                   structured_outputs=SO(regex="x+")))
     assert set(ok[0].outputs[0].text) == {"x"} and not chat.engine.processors.active
+
+
+def test_prepare_takes_early_masks_and_computes_what_they_lack(chat: LLM) -> None:
+    """``prepare(..., early=)``: rows whose masks an early start computed point at them (the
+    early rows of requests finished since stay unused); a constrained row the early start
+    lacks makes ``prepare`` compute every mask itself. Both give the masks of a plain
+    ``prepare``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.logits_processors import EarlyMasks
+
+    procs = chat.engine.processors
+    sos = [SO(regex=r"[0-9]{3}"), SO(choice=["left", "right"]), None, SO(json=SCHEMA)]
+    reqs = [_request(i, [1, 2, 3], [], SamplingParams(max_tokens=8, structured_outputs=so))
+            for i, so in enumerate(sos)]
+    for r in reqs:
+        procs.attach(r)
+    try:
+        want = procs.prepare(reqs)
+        want.fill_masks()
+        want_rows = want.grammar_mask[want.grammar_row[want.grammar_row >= 0]]
+        pool = ThreadPoolExecutor(1)
+        # an early start over the step's rows plus one more request's (finished since)
+        extra = _request(9, [1], [], SamplingParams(max_tokens=8, structured_outputs=sos[0]))
+        procs.attach(extra)
+        early = procs.start_early(_Out([]), np.zeros(0, np.int32), [extra, *reqs], pool.submit)
+        assert early is not None and early.mask.shape[0] == 4
+        got = procs.prepare(reqs, early)
+        assert got.grammar_mask is early.mask and got.fill is None
+        got.fill_masks()
+        np.testing.assert_array_equal(got.grammar_mask[got.grammar_row[got.grammar_row >= 0]],
+                                      want_rows)
+        # an early start that lacks a constrained row of the step: computed here instead
+        part = procs.start_early(_Out([]), np.zeros(0, np.int32), reqs[:1], pool.submit)
+        got = procs.prepare(reqs, part)
+        assert got.grammar_mask is not part.mask and got.fill is not None
+        got.fill_masks()
+        np.testing.assert_array_equal(got.grammar_mask[got.grammar_row[got.grammar_row >= 0]],
+                                      want_rows)
+        assert isinstance(part, EarlyMasks)
+        pool.shutdown()
+    finally:
+        for r in [*reqs, extra]:
+            if r.procs is not None:
+                r.procs.release()
+    assert not procs.active
+
+
+class _Out:
+    """A SchedulerOutput's shape for ``start_early``: its rows (``seqs``)."""
+
+    def __init__(self, seqs: list) -> None:
+        self.seqs = seqs
