@@ -20,7 +20,9 @@ Up to three paths, chosen per call by M (M stays dynamic inside each compiled ke
 * ``M <= crossover`` (decode): ``gemm_skinny.GemmSkinnySm90``, swap-AB wgmma + TMA with a
   cluster split-K, built to stream W once at HBM bandwidth. One compile per token tile in
   ``skinny_tiles``; the smallest tile >= M serves the call (above the largest tile, the largest
-  one runs ceil(M / tile) token tiles).
+  one runs ceil(M / tile) token tiles). Each kernel's split-K (``choose_split_k``) and smem
+  plan (``choose_skinny_ctas``: one CTA per SM with the most stages, or two) are chosen for
+  the M it serves.
 * ``M > crossover`` (prefill, big batches): ``gemm_sm90.GemmSm90``, a 128 x ``tile_n`` x 64
   tiled wgmma GEMM with a multistage TMA pipeline and TMA-store epilogue.
 * Opt-in, ``wide_tiles`` (default none; ``CUTEINFER_GEMM_WIDE`` in the engine): M in
@@ -41,6 +43,7 @@ measured in (tools/tune_skinny.py): at M = 32 the 64 tile ran 1.1-1.4x slower th
 (qwen3-8b gate_up 74 vs 52 us), slower even than the 64 tile at M = 64.
 """
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,22 +68,54 @@ class GemmShapeError(ValueError):
     """compile_gemm got a shape or option this GEMM does not support; the message says why."""
 
 
-def choose_split_k(n: int, k: int, num_sms: int = H200_SMS) -> int:
-    """Split-K factor (cluster size, <= 8) for the skinny path.
+def choose_split_k(n: int, k: int, num_sms: int = H200_SMS, token_tiles: int = 1) -> int:
+    """Split-K factor (cluster size, <= 8) for the skinny path; ``token_tiles``: the token
+    tiles of the smallest M the kernel serves (its CTAs are slabs x split x token tiles).
 
-    The fewest splits whose CTAs (slabs x split) cover 90% of the SMs, at most the K tiles.
-    Measured on the H200 (tools/tune_skinny.py, docs/perf.md): about one CTA per SM streams W
-    fastest; more splits (two CTAs per SM, shorter K ranges) only add fixed and reduction cost,
-    fewer leave SMs idle. Over the decode shapes of Qwen3 0.6B-8B at token tiles 16/32/64 this
-    rule is within 0.5% of the best split per shape (worst case 11%: qwen3-0.6b gate_up).
+    The fewest splits whose CTAs cover 45% of the SMs; then one doubling more while each split
+    still streams >= 64 K tiles and the CTAs still fit one per SM. Measured on an H100
+    (tools/tune_skinny.py --ctas both, docs/perf.md v26), each layer's split in a graph of
+    gathers and GEMMs: more splits only pay where K is long (qwen3-8b o_proj / down: 64 -> 128
+    CTAs, -3%); with K short the cluster reduction costs more than the SMs it fills (qwen3-0.6b
+    qkv 64 CTAs 6.3 us, 128 CTAs 7.0; o_proj 4 splits 4.5 us, 8 splits 4.9-7.3). (v2's rule,
+    CTAs >= 90% of the SMs: ``CUTEINFER_SKINNY_PLAN=v2``.)
     """
     slabs = (n + SLAB - 1) // SLAB
     k_tiles = (k + BK - 1) // BK
-    want = -(-9 * num_sms // 10)
+    if _legacy_plan():
+        want = -(-9 * num_sms // 10)
+        split = 1
+        while split < 8 and 2 * split <= k_tiles and slabs * split < want:
+            split *= 2
+        return split
+    ctas = slabs * max(token_tiles, 1)
+    want = -(-45 * num_sms // 100)
     split = 1
-    while split < 8 and 2 * split <= k_tiles and slabs * split < want:
+    while split < 8 and 2 * split <= k_tiles and ctas * split < want:
+        split *= 2
+    if split < 8 and k_tiles // split >= 64 and ctas * 2 * split <= num_sms:
         split *= 2
     return split
+
+
+def choose_skinny_ctas(n: int, split: int, token_tiles: int = 1,
+                       num_sms: int = H200_SMS) -> int:
+    """The skinny kernel's smem plan (``gemm_skinny.skinny_plan``): 1 (one CTA per SM with the
+    most stages) when the CTAs of the largest M it serves (slabs x split x ``token_tiles``)
+    fit one per SM, in clusters of <= 4; else 2 (two resident per SM, fewer stages each). H100,
+    M = 64 (v26): qwen3-8b o_proj 15.4 us vs 18.6, down 41.3 vs 44.7; with more CTAs than SMs
+    the one-CTA plan runs a second wave (qkv at M = 128: 31.2 vs 25.0 us), and clusters of 8
+    of whole-SM CTAs are slow to place (qwen3-0.6b o_proj: 7.3 vs 4.9 us)."""
+    if _legacy_plan():
+        return 2
+    slabs = (n + SLAB - 1) // SLAB
+    return 1 if split <= 4 and slabs * split * max(token_tiles, 1) <= num_sms else 2
+
+
+def _legacy_plan() -> bool:
+    """``CUTEINFER_SKINNY_PLAN=v2``: v2's split rule and always the two-CTA smem plan (to
+    measure against)."""
+    return os.environ.get("CUTEINFER_SKINNY_PLAN", "") == "v2"
 
 
 def choose_wide_slab(tile_t: int) -> int:
@@ -126,7 +161,7 @@ class GemmConfig:
     k: int
     out_dtype: str
     crossover: int
-    skinny: tuple[tuple[int, int], ...]  # (tile_t, split_k), ascending tile_t
+    skinny: tuple[tuple[int, int, int], ...]  # (tile_t, split_k, ctas per SM), ascending
     tile_n: int
     pdl: bool = False
     wide: tuple[tuple[int, int, int], ...] = ()  # (tile_t, slab, split_k), ascending tile_t
@@ -135,6 +170,7 @@ class GemmConfig:
     norm_size: int = 0  # > 0: the skinny kernels fuse an RMSNorm of A's rows (its divisor)
     eps: float = 0.0  # that norm's epsilon
     fuse_max_rows: int = 1 << 30  # fused skinny kernels serve M <= this; plain ones above
+    plain: tuple[tuple[int, int, int], ...] = ()  # (tile_t, split_k, ctas): those plain ones
 
     @property
     def fused(self) -> bool:
@@ -275,7 +311,7 @@ def _check(n: int, k: int, out_dtype: str, crossover: int, skinny_tiles: tuple[i
 
 
 def _check_fused(n: int, k: int, out_dtype: str, epilogue: str, norm_size: int,
-                 skinny: tuple[tuple[int, int], ...]) -> None:
+                 skinny: tuple[tuple[int, int, int], ...]) -> None:
     if epilogue not in EPILOGUES:
         raise GemmShapeError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
     if epilogue == "store" and not norm_size:
@@ -286,7 +322,7 @@ def _check_fused(n: int, k: int, out_dtype: str, epilogue: str, norm_size: int,
         raise GemmShapeError(f"N={n}: the silu epilogue needs whole {SLAB}-row slabs")
     if not 0 <= norm_size <= k:
         raise GemmShapeError(f"norm_size={norm_size}: must be in [0, K={k}]")
-    if norm_size and any(t > 128 for t, _ in skinny):
+    if norm_size and any(t > 128 for t, *_ in skinny):
         raise GemmShapeError("the fused norm needs skinny tiles <= 128")
 
 
@@ -345,7 +381,22 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
             needed.append(t)
     if split_k is not None and (split_k not in (1, 2, 4, 8) or split_k > k // BK):
         raise GemmShapeError(f"split_k={split_k}: must be 1, 2, 4 or 8 and <= K/64 = {k // BK}")
-    skinny = tuple((t, split_k or choose_split_k(n, k, num_sms)) for t in needed)
+    fuse_rows = 1 << 30 if fuse_max_rows is None else int(fuse_max_rows)
+    fused = epilogue != "store" or norm_size > 0
+    skinny_list, plain_list = [], []
+    for i, t in enumerate(needed):
+        lo = needed[i - 1] + 1 if i else 1  # the M this tile serves: lo..hi
+        hi = t if i < len(needed) - 1 else max(crossover, t)
+        parts = [(lo, min(hi, fuse_rows))] if fused else [(lo, hi)]
+        if fused and fuse_rows < hi:
+            parts.append((max(lo, fuse_rows + 1), hi))
+        for j, (a, b) in enumerate(parts):
+            if a > b:  # (a fused kernel no M reaches: compiled all the same, as one tile)
+                a = b = t
+            s_k = split_k or choose_split_k(n, k, num_sms, -(-a // t))
+            plan = (t, s_k, choose_skinny_ctas(n, s_k, -(-b // t), num_sms))
+            (plain_list if j else skinny_list).append(plan)
+    skinny = tuple(skinny_list)
     wtiles = tuple(sorted(set(wide_tiles)))
     wide_range = (int(wide_range[0]), int(wide_range[1]))
     _check_wide(k, wtiles, wide_range, wide_slab, wide_split_k)
@@ -356,7 +407,7 @@ def compile_gemm(n: int, k: int, out_dtype: str = "bf16", *, crossover: int = 12
     _check_fused(n, k, out_dtype, epilogue, norm_size, skinny)
     cfg = GemmConfig(n, k, out_dtype, crossover, skinny, tile_n, bool(pdl), tuple(wide),
                      wide_range if wide else WIDE_RANGE, epilogue, int(norm_size), float(eps),
-                     1 << 30 if fuse_max_rows is None else int(fuse_max_rows))
+                     fuse_rows, tuple(plain_list))
     return common.cached_compile(("gemm", cfg), lambda: _build(cfg))
 
 
@@ -364,14 +415,14 @@ def _build(cfg: GemmConfig) -> GemmLauncher:
     c_dtype = OUT_DTYPES[cfg.out_dtype]
     skinny_sig, tiled_sig = signatures(cfg.out_dtype)
     skinny = [(t, skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl,
-                                                    cfg.epilogue, cfg.norm_size, cfg.eps)))
-              for t, s in cfg.skinny]
+                                                    cfg.epilogue, cfg.norm_size, cfg.eps,
+                                                    max_ctas=ctas)))
+              for t, s, ctas in cfg.skinny]
     # a fused launcher's M above fuse_max_rows (up to the crossover): plain kernels of the
     # tiles that serve those M
-    plain = {t: skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl))
-             for i, (t, s) in enumerate(cfg.skinny)
-             if cfg.fused and cfg.fuse_max_rows < cfg.crossover
-             and (t > cfg.fuse_max_rows or i == len(cfg.skinny) - 1)}
+    plain = {t: skinny_sig.compile(GemmSkinnySm90(cfg.n, cfg.k, c_dtype, t, s, cfg.pdl,
+                                                  max_ctas=ctas))
+             for t, s, ctas in cfg.plain}
     wide = [(t, skinny_sig.compile(GemmWideSm90(cfg.n, cfg.k, c_dtype, slab, t, s, cfg.pdl)))
             for t, slab, s in cfg.wide]
     tiled = tiled_sig.compile(GemmSm90(cfg.n, cfg.k, c_dtype, tile_n=cfg.tile_n))

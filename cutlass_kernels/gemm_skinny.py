@@ -67,15 +67,18 @@ P_STRIDE = SLAB + 4  # fp32 partial tile [tile_t][SLAB + 4]: pad keeps accumulat
 MAX_STAGES = 12
 
 
-def skinny_plan(tile_t: int, norm: bool = False) -> tuple[int, int, int]:
+def skinny_plan(tile_t: int, norm: bool = False, max_ctas: int = 2) -> tuple[int, int, int]:
     """(pipeline stages, resident CTAs per SM, smem budget per CTA) for a token tile.
 
     Two CTAs per SM when that still leaves >= 4 stages (8 KiB of W each), else one CTA with
     the whole 227 KiB. ``norm``: the fused RMSNorm's row sums of squares take smem too.
+    ``max_ctas`` = 1: always the one-CTA plan (the most stages).
     """
     stage_bytes = (SLAB + tile_t) * BK * 2
     fixed = MBAR_RESERVE + tile_t * P_STRIDE * 4 + (tile_t * 4 + 16 if norm else 0)
     for ctas, budget in ((2, SMEM_TWO_PER_SM), (1, SMEM_CAPACITY)):
+        if ctas > max_ctas:
+            continue
         stages = min(MAX_STAGES, (budget - fixed) // stage_bytes)
         if stages >= 4 or ctas == 1:
             return stages, ctas, budget
@@ -83,11 +86,12 @@ def skinny_plan(tile_t: int, norm: bool = False) -> tuple[int, int, int]:
 
 
 class GemmSkinnySm90:
-    """Decode GEMM. Compile-time: N, K, output dtype, token tile, split-K factor."""
+    """Decode GEMM. Compile-time: N, K, output dtype, token tile, split-K factor; ``max_ctas``
+    = 1 takes the one-CTA smem plan (``skinny_plan``: the most stages; same bits)."""
 
     def __init__(self, n: int, k: int, c_dtype: type[cutlass.Numeric], tile_t: int = 16,
                  split_k: int = 1, pdl: bool = False, epilogue: str = "store",
-                 norm_size: int = 0, eps: float = 0.0):
+                 norm_size: int = 0, eps: float = 0.0, max_ctas: int = 2):
         if tile_t % 8 or not 8 <= tile_t <= 256:
             raise ValueError(f"tile_t must be a multiple of 8 in [8, 256], got {tile_t}")
         if epilogue not in EPILOGUES:
@@ -112,7 +116,8 @@ class GemmSkinnySm90:
         self.tile_mnk = (SLAB, tile_t, BK)  # wgmma (M, N, K) = (W rows, tokens, K)
         self.k_tiles = k_tiles
         self.k_per_split = (k_tiles + split_k - 1) // split_k
-        self.stages, self.ctas_per_sm, self.smem_budget = skinny_plan(tile_t, bool(norm_size))
+        self.stages, self.ctas_per_sm, self.smem_budget = skinny_plan(tile_t, bool(norm_size),
+                                                                   max_ctas)
         assert self.stages >= 2, (tile_t, self.stages)
         self.threads = 128
         # The reduction: the partial tile is SLAB/4 * tile_t float4 vectors, split_k-way.

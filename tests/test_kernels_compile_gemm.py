@@ -45,7 +45,7 @@ def linear_shapes(h: int, q: int, kv: int, inter: int, vocab: int) -> list[tuple
 def test_compiles_every_linear_layer(model: str) -> None:
     for n, k, out in linear_shapes(*MODELS[model]):
         launcher = G.compile_gemm(n, k, out)
-        assert [t for t, _ in launcher.cfg.skinny] == [16, 32, 64]
+        assert [t for t, _, _ in launcher.cfg.skinny] == [16, 32, 64]
         assert len(launcher.compiled()) == 4
         assert launcher.path(1) == "skinny16" and launcher.path(16) == "skinny16"
         assert launcher.path(17) == "skinny32" and launcher.path(32) == "skinny32"
@@ -145,7 +145,7 @@ def test_compiles_other_skinny_configs(tile_t: int, split_k: int) -> None:
     """Token tiles and split factors the lead may tune to (one CTA per SM at 128 and 256)."""
     launcher = G.compile_gemm(4096, 1024, "bf16", crossover=tile_t, skinny_tiles=(tile_t,),
                               split_k=split_k)
-    assert launcher.cfg.skinny == ((tile_t, split_k),)
+    assert [p[:2] for p in launcher.cfg.skinny] == [(tile_t, split_k)]
     assert launcher.path(tile_t) == f"skinny{tile_t}" and launcher.path(tile_t + 1) == "tiled"
 
 
@@ -294,20 +294,49 @@ def test_epilogue_register_order_matches_accumulator(tile_n: int, out: str) -> N
 
 
 def test_split_k_choice() -> None:
-    """The fewest splits whose CTAs cover 90% of the 132 SMs (>= 119), capped by 8 and K/64;
-    the H200 measurements behind it are in docs/perf.md."""
-    assert G.choose_split_k(4096, 4096) == 2  # 64 slabs x 2 = 128 CTAs (qwen3-8b o_proj)
-    assert G.choose_split_k(6144, 4096) == 2  # 96 slabs: 192 (qkv)
+    """The fewest splits whose CTAs (slabs x split x token tiles) cover 45% of the 132 SMs
+    (>= 60), one more while K per split stays >= 64 tiles and the CTAs fit one per SM; capped
+    by 8 and K/64. The measurements behind it are in docs/perf.md (v26)."""
+    assert G.choose_split_k(4096, 4096) == 2  # 64 slabs -> 128 CTAs: K 64 tiles (8b o_proj)
+    assert G.choose_split_k(4096, 12288) == 2  # down: 192 K tiles, 256 CTAs would not fit
+    assert G.choose_split_k(6144, 4096) == 1  # 96 slabs: 192 CTAs would not fit (qkv)
     assert G.choose_split_k(24576, 4096) == 1  # 384 slabs already cover the SMs (gate_up)
     assert G.choose_split_k(151936, 1024) == 1  # lm_head: 2374 slabs
-    assert G.choose_split_k(1024, 2048) == 8  # 16 slabs: cluster of 8
+    assert G.choose_split_k(1024, 2048) == 4  # 16 slabs x 4 = 64 (0.6b o_proj; K too short)
+    assert G.choose_split_k(4096, 1024) == 1  # 64 slabs (0.6b qkv): K 16 tiles, no doubling
+    assert G.choose_split_k(4096, 4096, token_tiles=2) == 1  # M = 65..128: 128 CTAs at 1
     assert G.choose_split_k(512, 128) == 2  # never more splits than K tiles
-    assert G.choose_split_k(1024, 2048, num_sms=64) == 4  # 16 x 4 = 64 >= 58
+    assert G.choose_split_k(1024, 2048, num_sms=64) == 2  # 16 x 2 = 32 >= 29
     for model in MODELS:
         for n, k, _ in linear_shapes(*MODELS[model]):
-            s = G.choose_split_k(n, k)
-            assert s in (1, 2, 4, 8) and s <= k // 64
-            assert (n + 63) // 64 * s >= 119 or s == 8 or 2 * s > k // 64
+            for tiles in (1, 2):
+                s = G.choose_split_k(n, k, token_tiles=tiles)
+                assert s in (1, 2, 4, 8) and s <= k // 64
+                assert (n + 63) // 64 * s * tiles >= 60 or s == 8 or 2 * s > k // 64
+
+
+def test_skinny_plan_choice(monkeypatch) -> None:
+    """One CTA per SM (the most stages) where the largest M's CTAs fit one per SM in clusters
+    of <= 4; else two resident per SM. compile_gemm plans each kernel for the M it serves:
+    a fused launcher's plain kernels (above fuse_max_rows) for their own M."""
+    from cutlass_kernels.gemm_skinny import skinny_plan
+
+    assert G.choose_skinny_ctas(4096, 2) == 1  # 128 CTAs
+    assert G.choose_skinny_ctas(6144, 2) == 2  # 192
+    assert G.choose_skinny_ctas(4096, 1, token_tiles=2) == 1  # 128
+    assert G.choose_skinny_ctas(6144, 1, token_tiles=2) == 2  # 192
+    assert G.choose_skinny_ctas(512, 8) == 2  # 64 CTAs, but clusters of 8
+    assert skinny_plan(64, max_ctas=1)[:2] == (12, 1) and skinny_plan(64)[:2] == (5, 2)
+    assert skinny_plan(16)[:2] == (10, 2) and skinny_plan(16, max_ctas=1)[:2] == (12, 1)
+    monkeypatch.setattr(G.common, "cached_compile", lambda key, build: key[1])
+    cfg = G.compile_gemm(4096, 4096, epilogue="residual", fuse_max_rows=64)
+    assert cfg.skinny == ((16, 2, 1), (32, 2, 1), (64, 2, 1)) and cfg.plain == ((64, 1, 1),)
+    cfg = G.compile_gemm(6144, 1024, epilogue="silu", norm_size=1024, fuse_max_rows=128)
+    assert cfg.skinny == ((16, 1, 1), (32, 1, 1), (64, 1, 2)) and cfg.plain == ()
+    cfg = G.compile_gemm(4096, 1024, epilogue="residual", fuse_max_rows=20)  # two plain tiles
+    assert [p[0] for p in cfg.skinny] == [16, 32, 64] and [p[0] for p in cfg.plain] == [32, 64]
+    monkeypatch.setenv("CUTEINFER_SKINNY_PLAN", "v2")  # v2's rule, to measure against
+    assert G.choose_split_k(6144, 4096) == 2 and G.choose_skinny_ctas(4096, 2) == 2
 
 
 @pytest.mark.parametrize("n,k,out,match", [
