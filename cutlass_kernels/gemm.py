@@ -82,18 +82,13 @@ def choose_split_k(n: int, k: int, num_sms: int = H200_SMS, token_tiles: int = 1
     """
     slabs = (n + SLAB - 1) // SLAB
     k_tiles = (k + BK - 1) // BK
-    if _legacy_plan():
-        want = -(-9 * num_sms // 10)
-        split = 1
-        while split < 8 and 2 * split <= k_tiles and slabs * split < want:
-            split *= 2
-        return split
-    ctas = slabs * max(token_tiles, 1)
-    want = -(-45 * num_sms // 100)
+    legacy = _legacy_plan()  # (v2: 90% coverage, no token tiles, no doubling)
+    ctas = slabs * (1 if legacy else max(token_tiles, 1))
+    want = -(-(90 if legacy else 45) * num_sms // 100)
     split = 1
     while split < 8 and 2 * split <= k_tiles and ctas * split < want:
         split *= 2
-    if split < 8 and k_tiles // split >= 64 and ctas * 2 * split <= num_sms:
+    if not legacy and split < 8 and k_tiles // split >= 64 and ctas * 2 * split <= num_sms:
         split *= 2
     return split
 

@@ -351,14 +351,12 @@ class LogitsProcessorState:
                 def fill() -> None:
                     grammars.fill_bitmasks(structured, mask)
 
-        rows = ProcessorRows(
+        return ProcessorRows(
             flags=flags, slot=slot, penalties=pen, grammar_row=grow, grammar_mask=mask,
             sparse_start=np.cumsum(counts, dtype=np.int32),
             sparse_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
             sparse_vals=np.concatenate(vals) if vals else np.zeros(0, np.float32),
-            inits=inits, fill=fill)
-        rows._future = future
-        return rows
+            inits=inits, fill=fill, future=future)
 
     def step_failed(self, out: SchedulerOutput) -> None:
         """A step that did not run may have lost its slot inits: its requests' slots are

@@ -138,7 +138,7 @@ class ProcessorRows:
     # computes grammar_mask in place; deferred so that the cuda executor can run it while the
     # GPU runs the step's forward (``fill_masks``: every reader of grammar_mask calls it first)
     fill: Callable[[], None] | None = None
-    _future: Any = None  # fill running elsewhere (fill_async)
+    future: Any = None  # fill running elsewhere (fill_async, or started before: start_early)
 
     def fill_async(self, submit: Callable[[Callable[[], None]], Any]) -> None:
         """Start the masks on another thread (``submit``: an executor's); ``fill_masks`` then
@@ -147,13 +147,13 @@ class ProcessorRows:
         switch interval (5 ms): this waits (GIL released) until the thread has started."""
         if self.fill is not None:
             fill, self.fill = self.fill, None
-            self._future = submit_started(submit, fill)
+            self.future = submit_started(submit, fill)
 
     def fill_masks(self, wait_only: bool = False) -> None:
         """The grammar bitmasks, computed now (once), or waited for (``wait_only``: only
         wait for a computation started by ``fill_async``, ignoring its error)."""
-        if self._future is not None:
-            fut, self._future = self._future, None
+        if self.future is not None:
+            fut, self.future = self.future, None
             if wait_only:
                 fut.exception()
             else:
