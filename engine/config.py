@@ -374,6 +374,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     long_prefill_token_threshold: int  # 0 = no cap
     mixed_prefill_tokens: int  # prompt tokens per step while others decode; 0 = no cap
+    mixed_step_tokens: int  # tokens per step in all while requests decode; 0 = no cap
     speculative_config: Any  # engine.speculative.SpeculativeConfig, or None (off)
     block_size: int
     enable_prefix_caching: bool

@@ -190,6 +190,13 @@ def device_drafts() -> bool:
     return _flag("CUTEINFER_DEVICE_DRAFTS", True)
 
 
+def mixed_graphs() -> bool:
+    """cuda mixed steps (decode rows beside prompt chunks) of at most 128 tokens replay a
+    captured graph of one decode row per token (``CUTEINFER_MIXED_GRAPHS``, default on; 0: they
+    run eagerly in the prefill and decode kernels, to measure against)."""
+    return _flag("CUTEINFER_MIXED_GRAPHS", True)
+
+
 def kernel_cache_enabled() -> bool:
     """Compiled kernels saved to and loaded from disk (``CUTEINFER_KERNEL_CACHE``, default on)."""
     return _flag("CUTEINFER_KERNEL_CACHE", True)

@@ -235,6 +235,17 @@ class Scheduler:
                 if r.num_computed_tokens >= r.num_prompt_tokens:
                     pbudget = min(budget, cfg.mixed_prefill_tokens)
                     break
+        # and, with mixed_step_tokens T, the step's rows in all: T less the decode rows, at
+        # least T / 4 (admissions go on beside many decodes), so that a mixed step of up to T
+        # tokens replays a mixed-step graph on cuda
+        if cfg.mixed_step_tokens and cfg.enable_chunked_prefill and self.running:
+            t = cfg.mixed_step_tokens
+            d = 0
+            for r in self.running:
+                if r.num_computed_tokens >= r.num_prompt_tokens:
+                    d += 1
+            if d:
+                pbudget = min(pbudget, max(t - d, t // 4, 1))
 
         # Running requests first: a decode token each, or the next chunk. Preemption only ever
         # removes the list's tail (it ends the loop there), so iterating the list itself is safe.

@@ -175,3 +175,44 @@ def test_prefill_beside_running_decodes_is_capped(tiny_dir: Path, reference: lis
     assert all(r.finish_reason == "length" for r in longs)
     out = LLM(str(tiny_dir), backend="numpy", mixed_prefill_tokens=8).generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in out] == reference
+
+
+def test_steps_beside_decodes_hold_mixed_step_tokens(tiny_dir: Path,
+                                                     reference: list[list[int]]) -> None:
+    """mixed_step_tokens T: while requests decode, a step's prompt tokens are T less its
+    decode rows, at least T / 4 (cuda: the step fits the largest mixed-step graph); alone, a
+    prompt takes the whole budget. Default: 128 on cuda with graphs, else no cap. Greedy
+    outputs are unchanged."""
+    from engine.args import EngineArgs
+    from engine.config import ModelConfig
+
+    llm = LLM(str(tiny_dir), backend="numpy", max_num_batched_tokens=512,
+              long_prefill_token_threshold=0, mixed_step_tokens=40)
+    eng = llm.engine
+    firsts = [eng.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    eng.step()  # alone: the prompts in one step
+    assert all(len(f.output_token_ids) == 1 for f in firsts)
+    longs = [eng.add_request([7 + (i * j) % 90 for i in range(100)],
+                             SamplingParams(temperature=0, max_tokens=2)) for j in (1, 3)]
+    for k in range(1, 4):
+        before = [min(r.num_computed_tokens, 100) for r in longs]
+        decoding = sum(1 for f in firsts if not f.is_finished)
+        eng.step()
+        added = sum(min(r.num_computed_tokens, 100) - b for r, b in zip(longs, before, strict=True))
+        assert 0 < added <= max(40 - decoding, 10), (k, added, decoding)
+        assert all(f.is_finished or len(f.output_token_ids) == 1 + k for f in firsts)
+    while eng.has_unfinished():
+        eng.step()
+    assert [f.output_token_ids for f in firsts] == reference[:3]
+    # a quarter of T at least, beside more decodes than T
+    out = LLM(str(tiny_dir), backend="numpy", mixed_step_tokens=2).generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in out] == reference
+    mc = ModelConfig.from_pretrained(tiny_dir)
+    for kw, want in (({}, 128), ({"enforce_eager": True}, 0), ({"mixed_step_tokens": 0}, 0),
+                     ({"speculative_config": '{"method": "ngram", "num_speculative_tokens": 2}'},
+                      0)):
+        ec = EngineArgs(model=str(tiny_dir), **kw).create_engine_config(mc, backend="cuda")
+        assert ec.mixed_step_tokens == want, kw
+    assert EngineArgs(model=str(tiny_dir)).create_engine_config(
+        mc, backend="numpy").mixed_step_tokens == 0
+    assert eng.config.mixed_step_tokens == 40

@@ -31,6 +31,7 @@ from engine.executor.cuda_model import (
     Sizes,
     StepBuffers,
     kv_bytes_per_page,
+    mixed_buckets,
     plan_num_pages,
 )
 from engine.executor.cuda_shapes import check_supported
@@ -44,6 +45,11 @@ if TYPE_CHECKING:
     from engine.executor.cuda_dflash import CudaDrafter
 
 log = logging.getLogger(__name__)
+
+# A mixed step replays its row graph (``mixed_rows``) only while its prompt rows read at most
+# this many KV tokens in all, or no more than its decode rows do: each prompt row reads its
+# whole context, where the prefill kernel reads a chunk's context once per query tile.
+MIXED_KV_TOKENS = 16384
 
 
 class _Done:
@@ -134,6 +140,9 @@ class CudaExecutor(Executor):
         # per bucket of sequences that speculate (speculative_config): a verify step of
         # bucket x (k + 1) rows (verify_body)
         self.verify: GraphRunner | None = None
+        # mixed steps of up to 128 tokens (decode rows beside prompt chunks): a graph of one
+        # decode row per token (``mixed_rows``), per bucket of rows (cuda_model.MIXED_BUCKETS)
+        self.mixed: GraphRunner | None = None
         # DFlash: each verify graph drafts its bucket's blocks first (``verify_runner``)
         self.fused_spec = (self.dflash is not None and envs.draft_graph()
                            and envs.device_drafts() and envs.fused_spec())
@@ -152,6 +161,7 @@ class CudaExecutor(Executor):
             self.heads = self.graph_runner(body=self.decode_head)
             self.tails = self.graph_runner(body=lambda bucket, _splits: self.decode_tail(bucket))
             self.verify = self.verify_runner()
+            self.mixed = self.mixed_runner()
             if not self.graphs.lazy:
                 self.graph_stats = self.graphs.capture_all(show=verbose)
                 heads = self.heads.capture_all(show=False)
@@ -160,6 +170,9 @@ class CudaExecutor(Executor):
                 if self.verify is not None:
                     ver = self.verify.capture_all(show=False)
                     self.graph_stats["verify_capture_s"] = ver["capture_s"]
+                if self.mixed is not None:
+                    mix = self.mixed.capture_all(show=False)
+                    self.graph_stats["mixed_capture_s"] = mix["capture_s"]
             if self.dflash is not None and envs.draft_graph():  # draft blocks alone: a graph
                 self.graph_stats["draft_capture_s"] = self.dflash.capture_graphs(self)  # a bucket
 
@@ -294,7 +307,10 @@ class CudaExecutor(Executor):
         verify = max((need(min(s.b_max, b * spec), bucket_for(b, bks) or b)
                       for b in range(1, min(self._spec_below(), s.b_max + 1))), default=0)
         graphs = max((need(bk * spec, bk) for bk in self._verify_buckets()), default=0)
-        return max(plain, verify, graphs)
+        # a mixed-step graph: its rows at their own split (``decode_splits``)
+        mixed = max((need(r, bucket_for(r, bks) or r)
+                     for r in mixed_buckets(self.config, s)), default=0)
+        return max(plain, verify, graphs, mixed)
 
     def _verify_buckets(self) -> list[int]:
         """The buckets of speculating sequences that get a verify graph: those up to the bucket
@@ -377,8 +393,9 @@ class CudaExecutor(Executor):
         def p(a: np.ndarray, v: float | int) -> np.ndarray:
             return a if pad <= 0 else np.concatenate([a, np.full(pad, v, a.dtype)])
 
-        buf.logit_idx.upload(p(b.sample_token_idx, 0) if pad <= 0 else
-                             np.arange(n + pad, dtype=np.int32), st)
+        # padding rows gather token rows n.. (a graph's rows; decode: row i samples token i)
+        buf.logit_idx.upload(b.sample_token_idx if pad <= 0 else np.concatenate(
+            [b.sample_token_idx, np.arange(n, n + pad, dtype=np.int32)]), st)
         buf.temperature.upload(p(b.temperature, 0.0), st)
         buf.top_k.upload(p(b.top_k, 0), st)
         buf.top_p.upload(p(b.top_p, 1.0), st)
@@ -567,6 +584,36 @@ class CudaExecutor(Executor):
 
         return GraphRunner(plan, stage, body, self.stream)
 
+    def mixed_runner(self) -> GraphRunner | None:
+        """Mixed-step graphs, one per bucket of rows (``mixed_buckets``): ``verify_body`` over
+        that many decode rows, each GEMM running its own M's kernels; None when off."""
+        bks = mixed_buckets(self.config, self.sizes)
+        if not bks:
+            return None
+        plan = DecodePlan(tuple(bks), {r: self.decode_splits(r) for r in bks},
+                          lazy=bool(self.config.lazy_graph_capture))
+        return GraphRunner(plan, self.stage_padding,
+                           lambda r, _splits: self.verify_body(r, r), self.stream)
+
+    def mixed_rows(self, b: StepBatch) -> StepBatch | None:
+        """A multi-token step (prompt chunks, with or without decode rows) that replays a
+        mixed-step graph, as ``token_rows``: at most the largest bucket's tokens, no prompt
+        logprobs or device drafts, and prompt rows whose contexts sum to at most
+        ``MIXED_KV_TOKENS`` or to the decode rows' (the decode kernel reads each row's whole
+        context). None: the step runs eagerly (prefill kernel for its chunks)."""
+        m = self.mixed
+        t = b.num_tokens
+        if (m is None or b.is_decode or t == 0 or t > m.buckets[-1]
+                or b.prompt_logprob_idx.shape[0] or b.device_drafts.shape[0]
+                or not m.can_replay(t)):
+            return None
+        rows = self.token_rows(b)
+        q = b.query_lens
+        prompt = int(rows.context_lens[np.repeat(q > 1, q)].sum())
+        if prompt > max(MIXED_KV_TOKENS, int(b.context_lens[q == 1].sum())):
+            return None
+        return rows
+
     def _fused(self, bucket: int) -> bool:
         """Whether the verify graph of ``bucket`` drafts too (``verify_runner``)."""
         return self.fused_spec and self.dflash is not None and bucket <= self.dflash.max_blocks
@@ -577,11 +624,20 @@ class CudaExecutor(Executor):
         decode rows), as a decode step of one row per token: the row of token j of a sequence
         whose span starts at position p attends over p + j + 1 tokens of that sequence's pages
         (the span's KV is written before attention, layer by layer). None for any other step."""
-        t, n = b.num_tokens, b.num_seqs
+        t = b.num_tokens
         if (b.is_decode or t == 0 or b.sample_token_idx.shape[0] != t
                 or b.prompt_logprob_idx.shape[0]
                 or not np.array_equal(b.sample_token_idx, np.arange(t))):
             return None
+        return CudaExecutor.token_rows(b)
+
+    @staticmethod
+    def token_rows(b: StepBatch) -> StepBatch:
+        """``b`` as a decode step of one row per token, in token order: the row of token j of
+        a sequence whose new tokens start at position p attends over p + j + 1 tokens of that
+        sequence's pages (causal; the step's KV is written before attention, layer by layer).
+        Sample rows, slots and positions stay the token rows they were."""
+        t, n = b.num_tokens, b.num_seqs
         q = b.query_lens
         seq = np.repeat(np.arange(n), q)
         # context of row j of sequence i: context_lens[i] - q[i] + 1 + j
@@ -665,6 +721,15 @@ class CudaExecutor(Executor):
             tokens = self._sampled(b, s_rows)
         elif (rows := self.verify_rows(b)) is not None and rows.num_tokens <= self.sizes.b_max:
             tokens, graph = self._verify(rows, b.num_seqs)
+        elif (rows := self.mixed_rows(b)) is not None:
+            assert self.mixed is not None
+            bucket = self.mixed.pad(rows.num_tokens)  # (a lazy capture, before the upload)
+            self.upload(rows, pad_to=bucket)
+            self.upload_sampling(rows, pad_to=bucket)
+            self.mixed.replay(bucket)
+            graph = True
+            if s_rows:
+                tokens = self._sampled(b, s_rows)
         else:
             if b.num_tokens:
                 self.upload(b)

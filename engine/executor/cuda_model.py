@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MAX_LOGIT_ROWS = 256  # logits are computed in chunks of at most this many rows
+# rows (padded) of the graphs that run a mixed step of up to 128 tokens, one decode row per
+# token (CudaExecutor.mixed_rows): buckets coarser than the decode ones, to keep start-up short
+MIXED_BUCKETS = (16, 32, 64, 96, 128)
 GRAPH_RESERVE = 256 << 20  # graph executables, module code, allocator slack
 
 
@@ -74,9 +77,24 @@ class Sizes:
         if spec is not None:
             seqs = min(b, spec.disable_by_batch_size - 1)
             b = max(b, min(t, seqs * (1 + spec.num_speculative_tokens)))
+        elif mixed_graphs_on(ec):  # a mixed step's graph runs one row per token
+            b = max(b, min(t, MIXED_BUCKETS[-1]))
         assert ec.max_model_len is not None
         return cls(t, b, math.ceil(ec.max_model_len / ec.block_size),
                    max(min(MAX_LOGIT_ROWS, t), b), ec.max_model_len)
+
+
+def mixed_graphs_on(ec: EngineConfig) -> bool:
+    """Whether mixed steps replay row graphs (``CudaExecutor.mixed_rows``): graphs on, no
+    speculation (its steps have their own row forms), ``CUTEINFER_MIXED_GRAPHS`` not 0."""
+    return not ec.enforce_eager and ec.speculative_config is None and envs.mixed_graphs()
+
+
+def mixed_buckets(ec: EngineConfig, sizes: Sizes) -> list[int]:
+    """The rows of the mixed-step graphs (``MIXED_BUCKETS`` that the step buffers hold)."""
+    if not mixed_graphs_on(ec):
+        return []
+    return [r for r in MIXED_BUCKETS if r <= min(sizes.b_max, sizes.t_max)]
 
 
 class _Placeholder:

@@ -108,10 +108,9 @@ class StagedInputs(PinnedMirror):
         """The sampling group of ``b``'s S sample rows, plus ``pad`` greedy padding rows."""
         self._wait("sampling")
         v, n = self.v, b.sample_token_idx.shape[0]
-        if pad > 0:  # decode graphs: row i samples token i
-            v["logit_idx"][:n + pad] = np.arange(n + pad, dtype=np.int32)
-        else:
-            v["logit_idx"][:n] = b.sample_token_idx
+        v["logit_idx"][:n] = b.sample_token_idx
+        if pad > 0:  # graph padding rows gather token rows n.. (decode: row i samples token i)
+            v["logit_idx"][n:n + pad] = np.arange(n, n + pad, dtype=np.int32)
         for name, src, fill in (("temperature", b.temperature, 0.0), ("top_k", b.top_k, 0),
                                 ("top_p", b.top_p, 1.0), ("min_p", b.min_p, 0.0),
                                 ("seeds", b.seeds, 0), ("steps", b.sample_steps, 0)):

@@ -15,6 +15,7 @@ from engine.model.loader import load_checkpoint
 from engine.model.synthetic import write_checkpoint
 from engine.step import StepBatch
 from tests.gpu.helpers import report, span_batch
+from tests.tolerances import TOL
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +83,143 @@ def test_mixed_step_parts_equal_each_part_alone(ex):
         assert ex.stage_mixed(span_batch(pages, starts, toks, every_token=False)) == n_dec
         cases.append({"decode_rows": n_dec, "chunks": chunks})
     report({"test": "mixed_step_parts_bit_identical", "cases": cases})
+
+
+@pytest.fixture(scope="module")
+def gex(tmp_path_factory):
+    """The same model with graphs (lazily captured): mixed steps of <= 128 tokens replay the
+    row graph of their bucket (``CudaExecutor.mixed_rows``)."""
+    d = write_checkpoint(tmp_path_factory.mktemp("mixedg") / "m", "small-qwen3", seed=6,
+                         overrides={"num_hidden_layers": 3}, quiet=True)
+    mc = ModelConfig.from_pretrained(d)
+    ec = EngineArgs(model=str(d), backend="cuda", max_num_seqs=64, max_model_len=1024,
+                    num_gpu_blocks_override=700, lazy_graph_capture=True
+                    ).create_engine_config(mc)
+    return CudaExecutor(load_checkpoint(d, mc), ec, verbose=False)
+
+
+def _mixed_case(ex, rng, n_dec: int, chunks: list[int]) -> StepBatch:
+    n = n_dec + len(chunks)
+    starts = np.concatenate([rng.integers(1, 400, n_dec),  # prompt rows: <= 16,384 KV reads
+                             rng.integers(0, 60, len(chunks))]).astype(np.int32)
+    qs = [1] * n_dec + chunks
+    width = -(-(starts + np.array(qs)) // 16)
+    perm = rng.permutation(np.arange(1, ex.num_pages))
+    pages = np.zeros((n, int(width.max())), np.int32)
+    off = 0
+    for i in range(n):
+        pages[i, :width[i]] = perm[off:off + width[i]]
+        off += int(width[i])
+    toks = [rng.integers(0, ex.mc.vocab_size, qq) for qq in qs]
+    temps = np.where(rng.random(n) < 0.5, 0.0, 0.9)
+    return span_batch(pages, starts, toks, every_token=False, temps=temps,
+                      seeds=rng.integers(0, 1 << 40, n), steps=rng.integers(0, 50, n))
+
+
+def _noise_kv(ex, rng) -> None:
+    import ml_dtypes
+
+    shape = (ex.num_pages, ex.mc.num_key_value_heads, 16, ex.mc.head_dim)
+    for cache in ex.k_cache + ex.v_cache:
+        cache.upload(rng.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16),
+                     ex.stream)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=1, keepdims=True))
+
+
+def _step_kv(ex, b: StepBatch) -> np.ndarray:
+    """Layer 0's K of the step's token slots (fp32)."""
+    c = ex.k_cache[0]
+    k = c.download(np.empty(c.shape, c.dtype), ex.stream)
+    ex.stream.synchronize()
+    s = b.slot_mapping
+    return k[s // 16, :, s % 16, :].astype(np.float32)
+
+
+def _read(ex, s: int) -> tuple[np.ndarray, np.ndarray]:
+    lg = ex.buf.logits.download(np.empty((s, ex.mc.vocab_size), np.float32), ex.stream)
+    tok = ex.buf.sampled.download(np.empty(s, np.int32), ex.stream)
+    ex.stream.synchronize()
+    return lg, tok
+
+
+def test_mixed_step_graph_equals_its_rows_eager_and_the_prefill_path(gex):
+    """A mixed step through ``execute`` replays its bucket's row graph: logits and samples
+    are the bits of the same rows run eagerly (``verify_body``); against the eager mixed path
+    (prefill kernel for the chunks) its logprobs agree within the golden gate's measures,
+    greedy tokens agree where the top two logits are apart, and layer 0's K agrees."""
+    ex = gex
+    assert ex.mixed is not None and ex.mixed.buckets == (16, 32, 64, 96, 128)
+    rng = np.random.default_rng()
+    cases = []
+    for n_dec, chunks in ((1, [9]), (5, [64, 3]), (30, [33]), (64, [64]), (0, [100]),
+                          (12, [20, 20, 20])):
+        seed = int(rng.integers(1 << 30))
+        b = _mixed_case(ex, np.random.default_rng(seed), n_dec, chunks)
+        t, s = b.num_tokens, b.sample_token_idx.shape[0]
+        rows = ex.mixed_rows(b)
+        assert rows is not None, (n_dec, chunks)
+        _noise_kv(ex, np.random.default_rng(seed + 1))
+        ex.buf.logits.fill_bytes(0xFF, ex.stream)  # poison
+        ex.buf.sampled.fill_bytes(0xFF, ex.stream)
+        out = ex.execute(b)
+        assert out.graph
+        g_lg, g_tok = _read(ex, s)
+        assert np.array_equal(out.sampled, g_tok)
+        kv_graph = _step_kv(ex, b)
+        # the same rows eagerly, padded to the bucket as the graph runs them
+        bk = ex.mixed.pad(t)
+        _noise_kv(ex, np.random.default_rng(seed + 1))
+        ex.buf.logits.fill_bytes(0xFF, ex.stream)
+        ex.upload(rows, pad_to=bk)
+        ex.upload_sampling(rows, pad_to=bk)
+        ex.verify_body(bk, bk)
+        e_lg, e_tok = _read(ex, s)
+        assert np.isfinite(g_lg).all()
+        assert np.array_equal(g_lg.view(np.uint32), e_lg.view(np.uint32)), (n_dec, chunks)
+        assert np.array_equal(g_tok, e_tok), (n_dec, chunks)
+        # the eager mixed path (decode kernel for the one-token rows, prefill for the chunks)
+        _noise_kv(ex, np.random.default_rng(seed + 1))
+        mixed, ex.mixed = ex.mixed, None
+        try:
+            ex.buf.logits.fill_bytes(0xFF, ex.stream)
+            out_p = ex.execute(b)
+        finally:
+            ex.mixed = mixed
+        assert not out_p.graph
+        p_lg, _ = _read(ex, s)
+        kv_eager = _step_kv(ex, b)
+        # two bf16 forwards (other GEMM kernels, decode vs prefill attention): compared as
+        # two implementations are (the golden gate's measure), on each row's top-20 logprobs
+        g_lp, p_lp = _log_softmax(g_lg), _log_softmax(p_lg)
+        top = np.argsort(p_lp, axis=1)[:, -20:]
+        d = np.abs(np.take_along_axis(g_lp, top, 1) - np.take_along_axis(p_lp, top, 1))
+        assert d.mean() <= TOL["cuda_vs_hf_bf16_mean"]["mean_abs"], (n_dec, chunks, d.mean())
+        assert d.max() <= TOL["cuda_vs_numpy_max"]["max_abs"], (n_dec, chunks, d.max())
+        top2 = np.sort(p_lg, axis=1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0] > 0.1) & (b.temperature == 0)
+        assert np.array_equal(g_lg.argmax(1)[clear], p_lg.argmax(1)[clear])
+        # layer 0's K of the step's tokens: the qkv GEMM (another kernel) and the same rope
+        kv_err = np.linalg.norm(kv_graph - kv_eager) / np.linalg.norm(kv_eager)
+        assert kv_err <= TOL["gemm"]["rtol_norm"], kv_err
+        cases.append({"decode_rows": n_dec, "chunks": chunks, "bucket": bk,
+                      "logprob_mean_abs": float(d.mean()), "logprob_max_abs": float(d.max()),
+                      "k0_rel_err": float(kv_err)})
+    report({"test": "mixed_step_graph", "cases": cases})
+
+
+def test_mixed_steps_that_stay_eager(gex):
+    """Steps the row graphs do not take: more tokens than the largest bucket, prompt rows that
+    read more KV than the limit and than the decode rows, prompt logprobs."""
+    ex = gex
+    rng = np.random.default_rng()
+    assert ex.mixed_rows(_mixed_case(ex, rng, 4, [125])) is None  # 129 tokens
+    long = _mixed_case(ex, rng, 2, [100])
+    long.context_lens[-1] += 600  # 100 rows at contexts ~700: > 16,384 KV tokens
+    assert ex.mixed_rows(long) is None
+    out = ex.execute(_mixed_case(ex, rng, 3, [40]))
+    assert out.graph and out.sampled.shape == (4,)
