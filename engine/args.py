@@ -23,7 +23,6 @@ from collections.abc import Iterable
 from dataclasses import Field, dataclass, field, fields
 from typing import Any, get_args, get_type_hints
 
-from engine import envs
 from engine.config import ConfigError, EngineConfig, ModelConfig
 from engine.executor.registry import AUTO, BACKEND_CHOICES, BACKENDS, check_backend, resolve_backend
 from engine.jsonfile import is_int, is_number
@@ -37,9 +36,6 @@ GENERATION_CONFIGS = ("auto", "vllm")
 # embedded model takes 20-35 s on 2 cores, so one long prompt would hold every other request
 # back until its prefill is done; on cuda the whole budget is one fast step (no cap).
 DEFAULT_LONG_PREFILL_TOKENS = {"numpy": 256, "cuda": 0}
-# mixed_step_tokens on cuda by default: the rows of the largest mixed-step graph
-# (engine/executor/cuda_model.py MIXED_BUCKETS; not imported here: that module loads the GPU stack)
-MIXED_STEP_TOKENS = 128
 
 
 # --dflash-draft-model-path DIR (pegainfer's flag): --speculative-config's dflash form
@@ -103,12 +99,13 @@ class EngineArgs:
         "requests' prefills do not stall the running streams. On the H200, qwen3-8b serving 64 "
         "streams, 256 cut the longest inter-token gap from 51 to 23 ms and output throughput "
         "by 11% (docs/perf.md v11).")
-    mixed_step_tokens: int | None = _option(
-        None, "For chunked prefill, the most tokens one iteration computes in all (decode rows "
-        "included) while requests decode, but at least a quarter of it in prompt tokens (0 = no "
-        "cap): a step that fits the largest mixed-step CUDA graph replays it instead of running "
-        "eagerly. If unspecified: 128 on cuda with CUDA graphs and no speculation (the largest "
-        "mixed-step graph), else no cap.")
+    mixed_step_tokens: int = _option(
+        0, "For chunked prefill, the most tokens one iteration computes in all (decode rows "
+        "included) while requests decode, at least a quarter of it prompt tokens (0 = no cap): "
+        "a latency knob. On cuda, 128 (the largest mixed-step CUDA graph) makes every such step "
+        "replay a graph: on an H100, qwen3-8b serving 64 streams in waves, a 64-token cap of "
+        "this kind cut ITL p99 from 2.5x to 1.5x the median and output throughput by 11% "
+        "(docs/perf.md v27). Off by default: it also slows a burst of admissions.")
     speculative_config: str | None = _option(
         None, "Speculative decoding, as JSON (vLLM's --speculative-config): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
@@ -268,14 +265,9 @@ class EngineArgs:
         spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None:
             spec.check(model_config, backend, self.tensor_parallel_size)
-        mst = self.mixed_step_tokens
-        if mst is None:  # the largest mixed-step graph (cuda_model.MIXED_BUCKETS)
-            mst = (MIXED_STEP_TOKENS if backend == "cuda" and not self.enforce_eager
-                   and spec is None and envs.mixed_graphs() else 0)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return EngineConfig(**{**values, "backend": backend, "max_model_len": mml,
-                               "long_prefill_token_threshold": lp, "speculative_config": spec,
-                               "mixed_step_tokens": mst})
+                               "long_prefill_token_threshold": lp, "speculative_config": spec})
 
     def _check(self) -> None:
         for f in fields(self):
@@ -295,7 +287,7 @@ class EngineArgs:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0 = no cap), got "
                               f"{self.long_prefill_token_threshold}")
-        if self.mixed_step_tokens is not None and self.mixed_step_tokens < 0:
+        if self.mixed_step_tokens < 0:
             raise ConfigError("mixed_step_tokens must be >= 0 (0 = no cap), got "
                               f"{self.mixed_step_tokens}")
         if self.mixed_prefill_tokens < 0:

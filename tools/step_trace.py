@@ -6,8 +6,9 @@ Each trace line (engine/engine.py ``LLMEngine.step``): start and end (perf_count
 cumulative steps, tokens and graph steps, then the running and waiting counts after the step,
 then when the step was scheduled, its batch built and executed (phases, ``phases_ms_p50``).
 Prints, for graph (decode replay) and eager steps: how many, their total and median time, the
-tokens they computed; the time between steps (the core's own loop: outputs sent, commands read);
-and eager step times by tokens in the step.
+tokens they computed (and, of the graph steps, the mixed ones: those that computed more tokens
+than the requests running before them); the time between steps (the core's own loop: outputs
+sent, commands read); and eager step times by tokens in the step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def summarize(lines: list[str]) -> dict:
                      "ms_p90": float(np.percentile(d, 90)) if d.size else None,
                      "ms_max": float(d.max()) if d.size else None,
                      "tokens": int(tok[m].sum())}
+    # graph steps that computed prompt tokens (a mixed-step graph): more tokens than the
+    # requests running before them (a decode step computes one token for each)
+    before = np.concatenate([[0.0], rows[:-1, 5]])
+    mixed = graph & stepped & (tok > before)
+    d = dur[mixed]
+    out["graph"]["mixed"] = {"n": int(mixed.sum()),
+                             "ms_p50": float(np.median(d)) if d.size else None,
+                             "ms_p90": float(np.percentile(d, 90)) if d.size else None,
+                             "tokens_mean": float(tok[mixed].mean()) if d.size else None}
     g = gaps[busy]
     out["between_steps"] = {"total_s": float(g.sum() / 1e3),
                             "ms_p50": float(np.median(g)) if g.size else None,
