@@ -103,9 +103,10 @@ class EngineArgs:
         0, "For chunked prefill, the most tokens one iteration computes in all (decode rows "
         "included) while requests decode, at least a quarter of it prompt tokens (0 = no cap): "
         "a latency knob. On cuda, 128 (the largest mixed-step CUDA graph) makes every such step "
-        "replay a graph: on an H100, qwen3-8b serving 64 streams in waves, a 64-token cap of "
-        "this kind cut ITL p99 from 2.5x to 1.5x the median and output throughput by 11% "
-        "(docs/perf.md v27). Off by default: it also slows a burst of admissions.")
+        "replay a graph. On an H100, qwen3-8b serving 64 streams in waves, the same steps (64 "
+        "decodes + 64 prompt tokens, there from --mixed-prefill-tokens 64) cut ITL p99 from 2.5x "
+        "to 1.5x the median and output throughput by 11% (docs/perf.md v27). Off by default: "
+        "it also slows a burst of admissions.")
     speculative_config: str | None = _option(
         None, "Speculative decoding, as JSON (vLLM's --speculative-config): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '

@@ -93,7 +93,7 @@ def gex(tmp_path_factory):
                          overrides={"num_hidden_layers": 3}, quiet=True)
     mc = ModelConfig.from_pretrained(d)
     ec = EngineArgs(model=str(d), backend="cuda", max_num_seqs=64, max_model_len=1024,
-                    num_gpu_blocks_override=700, lazy_graph_capture=True
+                    num_gpu_blocks_override=2400, lazy_graph_capture=True
                     ).create_engine_config(mc)
     return CudaExecutor(load_checkpoint(d, mc), ec, verbose=False)
 
