@@ -14,7 +14,7 @@ import pytest
 from engine import LLM
 from engine.executor.cuda_executor import MIXED_KV_TOKENS, CudaExecutor
 from engine.model.synthetic import write_checkpoint
-from tests.gpu.helpers import span_batch
+from tests.gpu.helpers import distinct_pages, span_batch
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +27,10 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 def _mixed(rng: np.random.Generator, num_pages: int, vocab: int, n_dec: int,
            chunks: list[int], dec_ctx: tuple[int, int] = (1, 200),
            chunk_start: tuple[int, int] = (0, 40)):
-    n = n_dec + len(chunks)
     starts = np.concatenate([rng.integers(*dec_ctx, n_dec),
                              rng.integers(*chunk_start, len(chunks))]).astype(np.int32)
     qs = [1] * n_dec + chunks
-    width = -(-(starts + np.array(qs)) // 16)
-    perm = rng.permutation(np.arange(1, num_pages))
-    pages = np.zeros((n, int(width.max())), np.int32)
-    off = 0
-    for i in range(n):
-        pages[i, :width[i]] = perm[off:off + width[i]]
-        off += int(width[i])
+    pages = distinct_pages(rng, num_pages, starts, qs)
     return span_batch(pages, starts, [rng.integers(0, vocab, q) for q in qs],
                       every_token=False)
 

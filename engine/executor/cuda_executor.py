@@ -547,7 +547,7 @@ class CudaExecutor(Executor):
                      body: Callable[[int, int], None] | None = None,
                      splits: int | None = None) -> GraphRunner:
         """A runner of decode graphs over this executor's static buffers: the engine's buckets,
-        or (tools) the given ones, each captured with the split-KV factor ``decode_splits``
+        or the given ones (tools, the mixed-step rows), each captured with the split-KV factor ``decode_splits``
         gives it (tools: ``splits`` for all); ``body``: what each graph runs (default
         ``decode_body``, a whole step)."""
         bks = tuple(sorted(set(buckets))) if buckets else tuple(self._buckets())
@@ -588,12 +588,8 @@ class CudaExecutor(Executor):
         """Mixed-step graphs, one per bucket of rows (``mixed_buckets``): ``verify_body`` over
         that many decode rows, each GEMM running its own M's kernels; None when off."""
         bks = mixed_buckets(self.config, self.sizes)
-        if not bks:
-            return None
-        plan = DecodePlan(tuple(bks), {r: self.decode_splits(r) for r in bks},
-                          lazy=bool(self.config.lazy_graph_capture))
-        return GraphRunner(plan, self.stage_padding,
-                           lambda r, _splits: self.verify_body(r, r), self.stream)
+        return self.graph_runner(bks, body=lambda r, _splits: self.verify_body(r, r)) \
+            if bks else None
 
     def mixed_rows(self, b: StepBatch) -> StepBatch | None:
         """A multi-token step (prompt chunks, with or without decode rows) that replays a

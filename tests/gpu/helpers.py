@@ -19,6 +19,20 @@ def report(rec: dict) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
+def distinct_pages(rng: np.random.Generator, num_pages: int, starts, qs,
+                   page_size: int = 16) -> np.ndarray:
+    """A page table for sequences that hold ``starts[i] + qs[i]`` tokens: distinct random
+    pages (never the padding page 0), zero past each sequence's own."""
+    width = -(-(np.asarray(starts) + np.asarray(qs)) // page_size)
+    perm = rng.permutation(np.arange(1, num_pages))
+    pages = np.zeros((len(width), int(width.max())), np.int32)
+    off = 0
+    for i, w in enumerate(width):
+        pages[i, :w] = perm[off:off + w]
+        off += int(w)
+    return pages
+
+
 def span_batch(pages: np.ndarray, starts, toks, *, every_token: bool = True, temps=None,
                seeds=None, steps=None, page_size: int = 16) -> StepBatch:
     """Sequence i computes tokens ``toks[i]`` at positions ``starts[i]..`` over page row

@@ -14,7 +14,7 @@ from engine.executor.cuda_executor import CudaExecutor
 from engine.model.loader import load_checkpoint
 from engine.model.synthetic import write_checkpoint
 from engine.step import StepBatch
-from tests.gpu.helpers import report, span_batch
+from tests.gpu.helpers import distinct_pages, report, span_batch
 from tests.tolerances import TOL
 
 
@@ -47,26 +47,13 @@ def _logits(ex, b: StepBatch, rows: int, tile_as: int, decode: bool) -> np.ndarr
 def test_mixed_step_parts_equal_each_part_alone(ex):
     rng = np.random.default_rng()
     v = ex.mc.vocab_size
-    rng_k = np.random.default_rng(int(rng.integers(1 << 30)))
-    import ml_dtypes
-
-    shape = (ex.num_pages, ex.mc.num_key_value_heads, 16, ex.mc.head_dim)
-    for cache in ex.k_cache + ex.v_cache:  # a context of noise
-        cache.upload(rng_k.standard_normal(shape, np.float32).astype(ml_dtypes.bfloat16),
-                     ex.stream)
+    _noise_kv(ex, np.random.default_rng(int(rng.integers(1 << 30))))  # a context of noise
     cases = []
     for n_dec, chunks in ((1, [37]), (5, [64, 3]), (12, [200])):
-        n = n_dec + len(chunks)
         starts = np.concatenate([rng.integers(1, 600, n_dec),
                                  rng.integers(0, 300, len(chunks))]).astype(np.int32)
         qs = [1] * n_dec + chunks
-        width = -(-(starts + np.array(qs)) // 16)
-        perm = rng.permutation(np.arange(1, ex.num_pages))
-        pages = np.zeros((n, int(width.max())), np.int32)
-        off = 0
-        for i in range(n):
-            pages[i, :width[i]] = perm[off:off + width[i]]
-            off += int(width[i])
+        pages = distinct_pages(rng, ex.num_pages, starts, qs)
         toks = [rng.integers(0, v, qq) for qq in qs]
         m = int(sum(qs))  # every part below runs the GEMM kernels of an m-row call
         # the decode rows alone, as a decode step
@@ -103,13 +90,7 @@ def _mixed_case(ex, rng, n_dec: int, chunks: list[int]) -> StepBatch:
     starts = np.concatenate([rng.integers(1, 400, n_dec),  # prompt rows: <= 16,384 KV reads
                              rng.integers(0, 60, len(chunks))]).astype(np.int32)
     qs = [1] * n_dec + chunks
-    width = -(-(starts + np.array(qs)) // 16)
-    perm = rng.permutation(np.arange(1, ex.num_pages))
-    pages = np.zeros((n, int(width.max())), np.int32)
-    off = 0
-    for i in range(n):
-        pages[i, :width[i]] = perm[off:off + width[i]]
-        off += int(width[i])
+    pages = distinct_pages(rng, ex.num_pages, starts, qs)
     toks = [rng.integers(0, ex.mc.vocab_size, qq) for qq in qs]
     temps = np.where(rng.random(n) < 0.5, 0.0, 0.9)
     return span_batch(pages, starts, toks, every_token=False, temps=temps,
