@@ -547,9 +547,9 @@ class CudaExecutor(Executor):
                      body: Callable[[int, int], None] | None = None,
                      splits: int | None = None) -> GraphRunner:
         """A runner of decode graphs over this executor's static buffers: the engine's buckets,
-        or the given ones (tools, the mixed-step rows), each captured with the split-KV factor ``decode_splits``
-        gives it (tools: ``splits`` for all); ``body``: what each graph runs (default
-        ``decode_body``, a whole step)."""
+        or the given ones (tools, the mixed-step rows), each captured with the split-KV factor
+        ``decode_splits`` gives it (tools: ``splits`` for all); ``body``: what each graph runs
+        (default ``decode_body``, a whole step)."""
         bks = tuple(sorted(set(buckets))) if buckets else tuple(self._buckets())
         plan = DecodePlan(bks, {b: splits or self.decode_splits(b) for b in bks},
                           lazy=bool(self.config.lazy_graph_capture))
