@@ -94,6 +94,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.spec = config.speculative_config  # engine.speculative.SpeculativeConfig or None
+        self.clock: Callable[[], float] = time.perf_counter  # seconds (Request.metrics' clock)
         # speculate only in steps without prompt tokens (the engine: executors whose logits
         # depend on the step's composition, i.e. cuda)
         self.spec_alone = False
@@ -217,6 +218,31 @@ class Scheduler:
         for s in seqs:
             self.bm.rollback(s.request.request_id, 1, s.start)
 
+    def _prompt_budget(self, budget: int) -> int:
+        """Prompt tokens this step may compute: all of the budget, or mixed_prefill_tokens when
+        a running request decodes (its next token waits for this step); and, with
+        mixed_step_tokens T, the step's rows in all: T less the decode rows, at least T / 4
+        (admissions go on beside many decodes), so that a mixed step of up to T tokens replays
+        a mixed-step graph on cuda."""
+        cfg = self.config
+        pbudget = budget
+        if not cfg.enable_chunked_prefill or not self.running:
+            return pbudget
+        if cfg.mixed_prefill_tokens:
+            for r in self.running:  # the first is nearly always decoding: one look
+                if r.num_computed_tokens >= r.num_prompt_tokens:
+                    pbudget = min(budget, cfg.mixed_prefill_tokens)
+                    break
+        if cfg.mixed_step_tokens:
+            t = cfg.mixed_step_tokens
+            d = 0
+            for r in self.running:
+                if r.num_computed_tokens >= r.num_prompt_tokens:
+                    d += 1
+            if d:
+                pbudget = min(pbudget, max(t - d, t // 4, 1))
+        return pbudget
+
     def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
         cfg = self.config
         budget = cfg.max_num_batched_tokens
@@ -227,25 +253,7 @@ class Scheduler:
         preempted: list[Request] = []
         bm = self.bm
         append_slots, table = bm.append_slots, bm.page_table_view
-        # prompt tokens this step may compute: all of the budget, or mixed_prefill_tokens when
-        # a running request decodes (its next token waits for this step)
-        pbudget = budget
-        if cfg.mixed_prefill_tokens and cfg.enable_chunked_prefill:
-            for r in self.running:  # the first is nearly always decoding: one look
-                if r.num_computed_tokens >= r.num_prompt_tokens:
-                    pbudget = min(budget, cfg.mixed_prefill_tokens)
-                    break
-        # and, with mixed_step_tokens T, the step's rows in all: T less the decode rows, at
-        # least T / 4 (admissions go on beside many decodes), so that a mixed step of up to T
-        # tokens replays a mixed-step graph on cuda
-        if cfg.mixed_step_tokens and cfg.enable_chunked_prefill and self.running:
-            t = cfg.mixed_step_tokens
-            d = 0
-            for r in self.running:
-                if r.num_computed_tokens >= r.num_prompt_tokens:
-                    d += 1
-            if d:
-                pbudget = min(pbudget, max(t - d, t // 4, 1))
+        pbudget = self._prompt_budget(budget)
 
         # Running requests first: a decode token each, or the next chunk. Preemption only ever
         # removes the list's tail (it ends the loop there), so iterating the list itself is safe.
@@ -394,7 +402,7 @@ class Scheduler:
         commit = self.bm.commit
         sampled = step.sampled.tolist()  # plain ints, once (not a numpy scalar per row)
         prompt_lps, lps = step.prompt_logprobs, step.logprobs
-        now = time.perf_counter()  # the step's tokens all arrived now
+        now = self.clock()  # the step's tokens all arrived now
         row = pl_row = 0
         dev = 0  # spans whose drafts were on the device, in step order (step.drafts)
         for s in out.seqs:
