@@ -29,12 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--vocab-range", type=int, nargs=2, default=[0, 150000])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mixed-step-tokens", type=int, default=0,
+                    help="the engine option of that name (the served run's, to compare alike)")
+    ap.add_argument("--mixed-prefill-tokens", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from engine import LLM, SamplingParams
 
     llm = LLM(a.model, backend=a.backend, max_num_seqs=a.max_num_seqs,
-              max_model_len=a.max_model_len)
+              max_model_len=a.max_model_len, mixed_step_tokens=a.mixed_step_tokens,
+              mixed_prefill_tokens=a.mixed_prefill_tokens)
     rng = np.random.default_rng(a.seed)
     prompts = [rng.integers(a.vocab_range[0], a.vocab_range[1], a.input_len).tolist()
                for _ in range(a.num_prompts)]
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     tpot1 = (m["last_token"] - m["first_token"]) / (len(one.outputs[0].token_ids) - 1) * 1e3
     res = {"mode": "offline LLM.generate", "num_prompts": a.num_prompts,
            "input_len": a.input_len, "output_len": a.output_len,
-           "max_num_seqs": a.max_num_seqs, "duration_s": round(dt, 3),
+           "max_num_seqs": a.max_num_seqs, "mixed_step_tokens": a.mixed_step_tokens,
+           "mixed_prefill_tokens": a.mixed_prefill_tokens, "duration_s": round(dt, 3),
            "output_tokens": n, "output_tok_s": round(n / dt, 1),
            "batch1_tpot_ms": round(tpot1, 4)}
     emit(res, a.out, indent=None)

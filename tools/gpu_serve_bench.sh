@@ -2,7 +2,8 @@
 # bash tools/gpu_serve_bench.sh PRESET (a warm call with .whl, and .tok for the Qwen3 tokenizer: CUTEINFER_QWEN3_TOKENIZER):
 # server ready time, serving (text and ids), offline LLM.generate, replay.
 # Env: SERVE_ARGS (more server options), TAG (suffix of the output names), KINDS ("words ids"),
-# OFFLINE=0 / REPLAY=0 skip those parts; the engine core writes its step trace to
+# OFFLINE_ARGS (tools.bench_offline options, e.g. --mixed-step-tokens 128), OFFLINE=0 / REPLAY=0 skip
+# those parts; the engine core writes its step trace to
 # $OUT/trace_$P$TAG.txt (CUTEINFER_STEP_TRACE; tools/step_trace.py reads it).
 set -uo pipefail
 source "$(dirname "$0")/gpu_lib.sh"
@@ -25,5 +26,5 @@ curl -s http://127.0.0.1:$PORT/metrics 2>/dev/null | grep -E "^cuteinfer.*(steps
 kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P$TAG.log"
 unset CUTEINFER_STEP_TRACE
 python3 -m tools.step_trace "$OUT/trace_$P$TAG.txt" 2>&1 | tail -12
-[ "${OFFLINE:-1}" = 0 ] || timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} --out "$OUT/offline_$P.json" 2>&1 | tail -1
-[ "${REPLAY:-1}" = 0 ] || timeout 200 python3 -m tools.bench_decode --preset $P --batch 1,64 --ctx 256 --out "$OUT/replay_$P.json" 2>&1 | grep -v Warning | tail -3
+[ "${OFFLINE:-1}" = 0 ] || timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} ${OFFLINE_ARGS:-} --out "$OUT/offline_$P$TAG.json" 2>&1 | tail -1
+[ "${REPLAY:-1}" = 0 ] || timeout 200 python3 -m tools.bench_decode --preset $P --batch 1,64 --ctx 256 --out "$OUT/replay_$P$TAG.json" 2>&1 | grep -v Warning | tail -3
