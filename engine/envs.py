@@ -17,6 +17,8 @@ Each variable has a function here; the rest of the engine calls the function, ne
   rope_kv as its own kernel.
 - ``CUTEINFER_FUSED``: ``1`` (default) runs the fused decoder layer for steps of <= 128 rows
   (norms, SiLU and residual adds inside the skinny GEMMs); ``0`` the separate kernels.
+- ``CUTEINFER_FUSE_MAX_ROWS``: ``64`` or ``128``, the most rows the fused layer serves (default
+  128, 64 at hidden > 2048).
 - ``CUTEINFER_GEMM_WIDE``: ``1`` serves M = 65..512 rows of the linear layers with the wide
   swap-AB GEMM (cutlass_kernels/gemm_wide.py); an integer 2..512 serves M from that many rows
   up (<= 64 adds its 64-token tile). Default ``0``: skinny up to 128 rows, tiled above.
@@ -118,6 +120,18 @@ def fused_layers() -> bool:
     if value not in ("0", "1", "true", "false", "on", "off", ""):
         raise ValueError(f"CUTEINFER_FUSED must be 0 or 1, got {value!r}")
     return value in ("1", "true", "on", "")
+
+
+def fuse_max_rows(hidden_size: int) -> int:
+    """``CUTEINFER_FUSE_MAX_ROWS``: the most rows a step may have for the fused layer's kernels
+    (the rest run the plain ones). Default 128, or 64 at hidden > 2048 (qwen3-8b at batch 128
+    ran 11.12 ms unfused vs 11.45 fused on v22's GEMM plan; docs/perf.md v21, v22); 64 or 128."""
+    value = os.environ.get("CUTEINFER_FUSE_MAX_ROWS", "").strip()
+    if not value:
+        return 128 if hidden_size <= 2048 else 64
+    if value not in ("64", "128"):
+        raise ValueError(f"CUTEINFER_FUSE_MAX_ROWS must be 64 or 128, got {value!r}")
+    return int(value)
 
 
 def fuse_rope() -> bool:

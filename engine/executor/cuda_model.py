@@ -285,8 +285,8 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
     on = envs.fused_layers()
     # fused up to 128 rows; at hidden > 2048 only up to the 64-row tile: qwen3-8b at batch 128
     # ran 11.12 ms unfused vs 11.45 fused (the row squares at two 64-token tiles a slab), while
-    # qwen3-0.6b gains at every M (docs/perf.md v21, v22)
-    fmax = {"fuse_max_rows": 128 if mc.hidden_size <= 2048 else 64}
+    # qwen3-0.6b gains at every M (docs/perf.md v21, v22); CUTEINFER_FUSE_MAX_ROWS overrides
+    fmax = {"fuse_max_rows": envs.fuse_max_rows(mc.hidden_size)}
     norm = {"norm_size": mc.hidden_size if on else 0, "eps": mc.rms_norm_eps if on else 0.0,
             **fmax}
     res = {"epilogue": "residual" if on else "store", **fmax}
