@@ -106,7 +106,8 @@ class EngineArgs:
         "replay a graph. On an H100, qwen3-8b serving 64 streams in waves, the same steps (64 "
         "decodes + 64 prompt tokens, there from --mixed-prefill-tokens 64) cut ITL p99 from 2.5x "
         "to 1.5x the median and output throughput by 11% (docs/perf.md v27). Off by default: "
-        "it also slows a burst of admissions.")
+        "it also slows a burst of admissions, and long prompts 2-3x (docs/perf.md v28; "
+        "python -m tools.sim_schedule compares settings on a workload).")
     speculative_config: str | None = _option(
         None, "Speculative decoding, as JSON (vLLM's --speculative-config): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
