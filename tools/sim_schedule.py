@@ -111,7 +111,8 @@ def simulate(a: argparse.Namespace, scheduler_cls: type[Scheduler] = Scheduler) 
     params = SamplingParams(temperature=0.0, max_tokens=a.output_len, ignore_eos=True)
     arrivals: list[tuple[float, list[int]]] = []  # (time, prompt), kept sorted by time
     if a.workload == "waves":
-        prompts = [rng.integers(0, 150000, a.input_len).tolist() for _ in range(a.num_prompts)]
+        lens = rng.integers(a.input_len, max(a.input_len, a.input_len_max or 0) + 1, a.num_prompts)
+        prompts = [rng.integers(0, 150000, int(n)).tolist() for n in lens]
         pending = list(reversed(prompts))
         for i in range(min(a.concurrency, len(pending))):
             arrivals.append((i * a.client_spread_ms / max(1, a.concurrency), pending.pop()))
@@ -187,6 +188,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=None)
+    ap.add_argument("--input-len-max", type=int, default=None,
+                    help="waves: prompt lengths uniform in [input-len, this]")
     ap.add_argument("--output-len", type=int, default=None)
     ap.add_argument("--prefix-len", type=int, default=3000)
     ap.add_argument("--prefixes", type=int, default=2)
