@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # The DSL reads CUTE_DSL_ARCH when cutlass is first imported: on a CPU-only machine it would
 # silently target sm_100. Every kernel here is for Hopper.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+# --keep-ptx (the PTX checks) writes a .ptx file into the DSL's dump dir, by default the working
+# directory: a temporary one instead, so a test run leaves nothing in the checkout
+os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="cute-dsl-dump-"))
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
