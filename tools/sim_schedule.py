@@ -23,15 +23,14 @@ import numpy as np
 
 from engine.args import EngineArgs
 from engine.config import ModelConfig
+from engine.executor.cuda_executor import MIXED_KV_TOKENS
+from engine.executor.cuda_model import MIXED_BUCKETS
 from engine.kv import BlockManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step import StepOutput
 from tools.report import emit
-
-MIXED_BUCKETS = (16, 32, 64, 96, 128)  # engine/cuda: the mixed-step graphs
-MIXED_KV_TOKENS = 16384
 
 
 @dataclass(frozen=True)
@@ -54,15 +53,16 @@ class Costs:
         return base + kv_tokens * self.kv_bytes_per_token / self.kv_rate
 
 
-# H100 80GB HBM3 (docs/perf.md v27: bench_decode at context 256 and 1024, the 64-cap run's mixed
-# steps (p50 8.76 ms at 113 tokens), v11's eager steps (320 tokens 17.2 ms, 2,048 tokens 47 ms)
+# H100 80GB HBM3 (docs/perf.md v27 / v28: bench_decode at context 256 and 1024, the 64-cap run's
+# mixed steps (p50 8.76 ms at 113 tokens), v11's eager steps (320 tokens 17.2 ms, 2,048 tokens
+# 47 ms); batch 256 and qwen3-0.6b's 16-128 / prefill costs are estimates
 COSTS = {
     "qwen3-8b": Costs(decode=((1, 5.30), (16, 5.55), (32, 5.85), (64, 6.70), (96, 8.14),
-                              (128, 8.59)),
+                              (128, 8.59), (256, 12.4)),
                       kv_bytes_per_token=36 * 2 * 8 * 128 * 2, kv_rate=3.1e9,
                       eager0=11.7, eager_tok=0.01725, sync=0.6),
-    # H200-era numbers scaled (v18: replay b64 ctx 256 1.54 ms); prefill ~4 us a token
-    "qwen3-0.6b": Costs(decode=((1, 0.75), (16, 0.85), (32, 1.0), (64, 1.54), (96, 2.1),
+    # v28: replay b1 / b64 at context 256 0.787 / 1.497 ms; prefill ~4 us a token
+    "qwen3-0.6b": Costs(decode=((1, 0.79), (16, 0.85), (32, 1.0), (64, 1.50), (96, 2.1),
                                 (128, 2.6), (256, 4.8)),
                         kv_bytes_per_token=28 * 2 * 8 * 128 * 2, kv_rate=3.1e9,
                         eager0=3.0, eager_tok=0.004, sync=0.4),
