@@ -1,12 +1,12 @@
-"""A step's inputs through one pinned mirror: three copies a step instead of thirteen.
+"""A step's inputs through one pinned mirror: two copies a step instead of thirteen.
 
 The per-step input buffers of ``StepBuffers`` lie in the arena one after the other (it bump-
 allocates in order): the token group (input_ids, positions, slot_mapping, cu_seqlens,
 context_lens), page_indices, then the sampling group (logit_idx, temperature, top_k, top_p,
 min_p, seeds, steps). ``StagedInputs`` keeps a page-locked host copy of that whole span, with a
 numpy view per buffer at the buffer's own offset. A step writes its arrays (and its padding
-rows) into the views, then uploads the token group, the page rows it uses and the sampling group
-with one asynchronous copy each, straight from pinned memory. Before: one pageable copy per
+rows) into the views, then uploads the token group with the page rows it uses, and the sampling
+group, with one asynchronous copy each, straight from pinned memory. Before: one pageable copy per
 array, ~57 us of host time a step on the H200 host (docs/perf.md v12, ``upload+upload_sampling``).
 
 A group is copied whole (its buffers are sized for the largest step, ~40 KB for 2,048 tokens),
@@ -99,9 +99,10 @@ class StagedInputs(PinnedMirror):
             v["page_indices"][rows:rows + pad, :width] = 0
         else:
             v["cu_seqlens"][:n + 1] = b.cu_seqlens_q
-        self.copy("input_ids", "context_lens", stream)
-        self.copy("page_indices", "page_indices", stream,
-                   last_bytes=(rows + max(pad, 0)) * self.row_bytes)
+        # one copy: the token group and the page rows it uses (page_indices follows the group
+        # in the arena; the alignment gap between them belongs to no buffer)
+        self.copy("input_ids", "page_indices", stream,
+                  last_bytes=(rows + max(pad, 0)) * self.row_bytes)
         self._done("tokens", stream)
 
     def put_sampling(self, b: Any, pad: int, stream: Stream) -> None:
