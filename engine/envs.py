@@ -125,7 +125,8 @@ def fused_layers() -> bool:
 def fuse_max_rows(hidden_size: int) -> int:
     """``CUTEINFER_FUSE_MAX_ROWS``: the most rows a step may have for the fused layer's kernels
     (the rest run the plain ones). Default 128, or 64 at hidden > 2048 (qwen3-8b at batch 128
-    ran 11.12 ms unfused vs 11.45 fused on v22's GEMM plan; docs/perf.md v21, v22); 64 or 128."""
+    ran 11.12 ms unfused vs 11.45 fused on v22's GEMM plan, 8.80 vs 9.02 ms at context 256 on
+    v26's; docs/perf.md v21, v22, v28); 64 or 128."""
     value = os.environ.get("CUTEINFER_FUSE_MAX_ROWS", "").strip()
     if not value:
         return 128 if hidden_size <= 2048 else 64
