@@ -225,23 +225,20 @@ class Scheduler:
         (admissions go on beside many decodes), so that a mixed step of up to T tokens replays
         a mixed-step graph on cuda."""
         cfg = self.config
-        pbudget = budget
-        if not cfg.enable_chunked_prefill or not self.running:
-            return pbudget
-        if cfg.mixed_prefill_tokens:
-            for r in self.running:  # the first is nearly always decoding: one look
-                if r.num_computed_tokens >= r.num_prompt_tokens:
-                    pbudget = min(budget, cfg.mixed_prefill_tokens)
-                    break
-        if cfg.mixed_step_tokens:
-            t = cfg.mixed_step_tokens
-            d = 0
-            for r in self.running:
-                if r.num_computed_tokens >= r.num_prompt_tokens:
-                    d += 1
-            if d:
-                pbudget = min(pbudget, max(t - d, t // 4, 1))
-        return pbudget
+        mpt, t = cfg.mixed_prefill_tokens, cfg.mixed_step_tokens
+        if not (mpt or t) or not cfg.enable_chunked_prefill or not self.running:
+            return budget
+        # the decoding requests: all of them for T, else whether there is one (the first is
+        # nearly always decoding: one look)
+        if t:
+            d = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
+        else:
+            d = next((1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens),
+                     0)
+        if not d:
+            return budget
+        pbudget = min(budget, mpt) if mpt else budget
+        return min(pbudget, max(t - d, t // 4, 1)) if t else pbudget
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
         cfg = self.config
