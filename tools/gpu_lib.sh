@@ -14,3 +14,15 @@ while time.monotonic() < deadline:
 sys.exit(1)
 PY
 }
+# stage_dsl: on a GPU host, unpack the carried CuTe DSL bundle (.gpu/stage.sh; once per host, a
+# warm host keeps it) and set DSL_PATH to the PYTHONPATH prefix that holds it ("" where there is
+# none: a dev box with the DSL installed). Status 3 when a carried bundle cannot be staged.
+stage_dsl() {
+  if [ -f .gpu/stage.sh ] && command -v nvidia-smi > /dev/null; then
+    bash .gpu/stage.sh > /dev/null || [ -f /tmp/site/.ok ] \
+      || { echo "CuTe DSL bundle not staged"; return 3; }
+  fi
+  DSL_PATH=""
+  if [ -f /tmp/site/.ok ]; then DSL_PATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:; fi
+  return 0
+}

@@ -12,11 +12,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"; export OUT
 LOGS=$(mktemp -d)
 export PYTHONUNBUFFERED=1
-if [ -f .gpu/stage.sh ] || [ -f /tmp/site/.ok ]; then
-  { [ -f .gpu/stage.sh ] && bash .gpu/stage.sh >/dev/null; } || [ -f /tmp/site/.ok ] \
-    || { echo "CuTe DSL bundle not staged"; exit 3; }
-  export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD${PYTHONPATH:+:$PYTHONPATH}
-fi
+stage_dsl || exit 3
+[ -n "$DSL_PATH" ] && export PYTHONPATH=$DSL_PATH$PWD${PYTHONPATH:+:$PYTHONPATH}
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels carried along (gguf for the default model)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 fi
