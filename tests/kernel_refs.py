@@ -94,6 +94,15 @@ def ref_embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
     return out
 
 
+def ref_embedding_from_samples(ids: np.ndarray, src: np.ndarray, samples: np.ndarray,
+                               table: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cutlass_kernels/embedding.py ``EmbeddingFromSamples``: ``ids[t] = samples[src[t]]``
+    where ``0 <= src[t] < len(samples)`` (else ``ids[t]`` stays), then ``table[ids]``; returns
+    (the rows, the ids as the kernel leaves them)."""
+    ids = ref_place_tokens(src, samples, ids)
+    return ref_embedding(ids, table), ids
+
+
 def ref_place_tokens(src: np.ndarray, tokens: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """cutlass_kernels/place_tokens.py: ``ids[t] = tokens[src[t]]`` where ``0 <= src[t] <
     len(tokens)``; every other row keeps its id."""

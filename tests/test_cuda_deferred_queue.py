@@ -3,7 +3,8 @@
 for its stream work (uploads, device copies, graph replays), so the test reads the stream order.
 
 What must hold (docs/perf.md v20): a step's forward is enqueued only after the tail of the
-deferred step before it (its input tokens are that tail's samples, copied on the device); its
+deferred step before it (its input tokens are that tail's samples, which its forward gathers on
+the device: the rows to take go up with its token rows); its
 token rows may go up before that tail only when the step ahead is a heads step (whose tail reads
 no token rows), never before a step that runs whole in ``launch_procs`` (its own upload would
 overwrite them); a failed ``launch_procs`` leaves nothing queued, and the queued forward never
@@ -46,7 +47,9 @@ def ex(monkeypatch):
     e.log = log
     e._awaiting, e._queued, e.queued_heads, e._inflight = None, None, 0, None
     e.heads, e.tails = _Runner(log, "heads"), _Runner(log, "tail")
-    e.staged = SimpleNamespace(put_tokens=lambda b, pad, st: log.append(("tokens", b.tag)))
+    # a staged token upload: the step's tokens and the sample rows its forward gathers
+    e.staged = SimpleNamespace(put_tokens=lambda b, pad, st, src: log.append(
+        ("tokens", b.tag, len(src))))
     fail = {"stage": False}
     e.fail = fail
 
@@ -55,13 +58,14 @@ def ex(monkeypatch):
             raise cx.ExecutorError("injected")
         log.append(("rows", bucket))
 
-    e.buf = SimpleNamespace(procs=SimpleNamespace(stage=stage), sampled=SimpleNamespace(ptr=0),
-                            input_ids=SimpleNamespace(ptr=0))
-    monkeypatch.setattr(cx, "_copy_runs", lambda s, d, rows, st: log.append(("copy", len(rows))))
+    e.buf = SimpleNamespace(procs=SimpleNamespace(stage=stage))
     e._check = lambda b: None
     e._async_ok = lambda b: not b.whole
-    e.upload = lambda b, pad_to=None: log.append(("tokens", b.tag))
+    e.upload = lambda b, pad_to=None, src_rows=None: log.append(("tokens", b.tag, len(src_rows)))
     e.upload_sampling = lambda b, pad_to=None, procs=True: log.append(("sampling", b.tag))
+    # tokens and sampling rows in one copy (staged)
+    e.upload_step = lambda b, pad_to=None, src_rows=None, procs=True: log.append(
+        ("step", b.tag, len(src_rows)))
     e._download_async = lambda n: log.append(("download", n)) or SimpleNamespace(n=n)
     # a step that runs whole (the base class's launch_procs launches it): stands for its upload,
     # forward and samples
@@ -76,15 +80,16 @@ def _src(n: int = 3) -> np.ndarray:
 
 def test_a_forward_queued_behind_a_heads_step_starts_right_after_its_tail(ex) -> None:
     a = ex.launch_deferred(_Batch("A"), _src())
-    assert ex.log == [("tokens", "A"), ("copy", 3), ("sampling", "A"), ("heads", 4)]
+    assert ex.log == [("step", "A", 3), ("heads", 4)]
     ex.log.clear()
     b = ex.launch_deferred(_Batch("B"), _src())
     assert b.queued and ex._queued is b
-    assert ex.log == [("tokens", "B")]  # early: A's tail reads no token rows
+    assert ex.log == [("tokens", "B", 3)]  # early: A's tail reads no token rows
     ex.log.clear()
     ex.launch_procs(a, None)
+    # B's forward (which gathers A's samples) only after A's tail
     assert ex.log == [("rows", 4), ("tail", 4), ("download", 3),
-                      ("copy", 3), ("sampling", "B"), ("heads", 4)]
+                      ("sampling", "B"), ("heads", 4)]
     assert ex._awaiting is b and ex._queued is None and not b.queued and ex.queued_heads == 1
     ex.log.clear()
     ex.launch_procs(b, None)
@@ -100,8 +105,7 @@ def test_token_rows_wait_behind_a_step_that_runs_whole(ex) -> None:
     b = ex.launch_deferred(_Batch("B"), _src())
     assert b.queued and ex.log == []
     ex.launch_procs(a, None)
-    assert ex.log == [("whole", "A"), ("tokens", "B"), ("copy", 3), ("sampling", "B"),
-                      ("heads", 4)]
+    assert ex.log == [("whole", "A"), ("step", "B", 3), ("heads", 4)]
     assert ex._awaiting is b
 
 

@@ -46,11 +46,11 @@ def _executor(fused_max: dict[str, int] | None = None, rope_in_attention: bool =
     lim = {"qkv": 128, "o": 128, "gate_up": 128, "down": 128, **(fused_max or {})}
     rec = lambda name: (lambda *a: log.append((name, *[x for x in a if isinstance(x, str)])))  # noqa: E731
     e.kernels = SimpleNamespace(
-        embed=rec("embed"), norm=rec("norm"), add_norm=rec("add_norm"), rope=rec("rope"),
+        embed_src=rec("embed"), norm=rec("norm"), add_norm=rec("add_norm"), rope=rec("rope"),
         decode=rec("decode"), decode_rope=rec("decode_rope"), prefill=rec("prefill"),
         silu=rec("silu"),
         **{g: _Gemm(log, g, lim[g]) for g in ("qkv", "o", "gate_up", "down")})
-    names = ("input_ids", "resid", "delta", "h", "ones", "qkv", "positions", "slot_mapping",
+    names = ("input_ids", "input_src", "sampled", "resid", "delta", "h", "ones", "qkv", "positions", "slot_mapping",
              "cos_sin", "q", "attn", "gate_up", "act", "page_indices", "context_lens",
              "workspace", "cu_seqlens", "pre_cu_seqlens", "pre_context_lens",
              "pre_page_indices")
@@ -61,7 +61,7 @@ def _executor(fused_max: dict[str, int] | None = None, rope_in_attention: bool =
                                 layers=[dict(layer) for _ in range(LAYERS)])
     e.stream, e.scale = None, 0.1
     e.mc = SimpleNamespace(rms_norm_eps=1e-6, vocab_size=1000, num_hidden_layers=LAYERS)
-    e.sizes = SimpleNamespace(pages_per_seq=4, max_pos=64)
+    e.sizes = SimpleNamespace(pages_per_seq=4, max_pos=64, logit_rows=8)
     e.k_cache, e.v_cache = ["k"] * LAYERS, ["v"] * LAYERS
     e.decode_splits = lambda n: 1
     return e

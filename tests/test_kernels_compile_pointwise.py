@@ -34,6 +34,15 @@ def test_embedding_compiles(hidden):
     assert compile_embedding(hidden) is launcher  # cached on the compile-time key
 
 
+@pytest.mark.parametrize("hidden", HIDDEN)
+def test_embedding_from_samples_compiles(hidden):
+    from cutlass_kernels.embedding import compile_embedding, compile_embedding_from_samples
+
+    launcher = compile_embedding_from_samples(hidden)
+    assert compile_embedding_from_samples(hidden) is launcher
+    assert launcher.kernel is not compile_embedding(hidden).kernel  # its own compile key
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("hidden", HIDDEN)
 def test_rmsnorm_compiles(hidden, fused):
@@ -249,6 +258,12 @@ def test_launchers_reject_bad_arguments():
         compile_silu_mul(64)(_Buf(256, 64), 16, 4, None)
     with pytest.raises(KernelArgError):
         compile_embedding(64)(16, 16, 16, 0, 4, None)
+    from cutlass_kernels.embedding import compile_embedding_from_samples
+
+    with pytest.raises(KernelArgError, match="num_src=0"):  # no samples to take from
+        compile_embedding_from_samples(64)(16, 16, 16, 16, 16, 10, 0, 4, None)
+    with pytest.raises(KernelArgError, match="src: device address"):  # misaligned
+        compile_embedding_from_samples(64)(16, 18, 16, 16, 16, 10, 2, 4, None)
     with pytest.raises(KernelArgError):  # qk-norm weights missing
         compile_rope_kv(4, 4, 64, 16, True)(16, 16, 16, None, None, 16, 16, 16, 16, 1, 8,
                                             1e-6, None)

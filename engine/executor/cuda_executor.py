@@ -22,7 +22,7 @@ import numpy as np
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream, check
+from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream
 from engine.executor.base import Executor, ExecutorError
 from engine.executor.cuda_model import (
     BF16,
@@ -80,26 +80,6 @@ class _Heads:
                  queued: bool = False) -> None:
         self.batch, self.bucket, self.src_rows, self.queued = batch, bucket, src_rows, queued
         self.tokens_up = False  # (queued) its token rows went up before the tail ahead of it
-
-
-def _copy_runs(src_ptr: int, dst_ptr: int, src_rows: np.ndarray, stream: Stream) -> None:
-    """dst[i] = src[src_rows[i]] (int32) for every i with src_rows[i] >= 0, as one device copy
-    per run of consecutive rows (a batch that keeps its order is one run)."""
-    from engine.cuda.driver import _cu
-
-    cu = _cu()
-    i, n = 0, src_rows.shape[0]
-    rows = src_rows.tolist()
-    while i < n:
-        if rows[i] < 0:
-            i += 1
-            continue
-        j = i + 1
-        while j < n and rows[j] == rows[j - 1] + 1:
-            j += 1
-        check(cu.cuMemcpyDtoDAsync(dst_ptr + 4 * i, src_ptr + 4 * rows[i], 4 * (j - i),
-                                   stream.handle), "cuMemcpyDtoDAsync")
-        i = j
 
 
 class CudaExecutor(Executor):
@@ -350,31 +330,51 @@ class CudaExecutor(Executor):
                              or b.page_indices.max() >= self.num_pages):
             raise ExecutorError("slot_mapping / page_indices outside the KV cache")
 
-    def upload(self, b: StepBatch, pad_to: int | None = None) -> None:
+    def upload(self, b: StepBatch, pad_to: int | None = None,
+               src_rows: np.ndarray | None = None) -> None:
         """Copy the step's arrays into the static buffers. ``pad_to`` (decode graphs): rows
-        B..pad_to-1 become padding rows (token 0, position 0, no KV write, context 1, page 0)."""
+        B..pad_to-1 become padding rows (token 0, position 0, no KV write, context 1, page 0).
+        ``src_rows`` (decode rows): row i's input token is the previous step's sample
+        ``src_rows[i]``, which the forward's embedding gathers on the device (-1: as given)."""
         buf, st = self.buf, self.stream
         n = b.num_seqs
         pad = 0 if pad_to is None else pad_to - n
         if self.staged is not None:
-            self.staged.put_tokens(b, pad, st)
+            self.staged.put_tokens(b, pad, st, src_rows)
             return
         ids, pos, slots, cu, ctx = (b.input_ids, b.positions, b.slot_mapping, b.cu_seqlens_q,
                                     b.context_lens)
+        src = (np.full(b.num_tokens, -1, np.int32) if src_rows is None
+               else src_rows.astype(np.int32))
         table = b.page_indices.astype(np.int32, copy=False)
         if pad > 0:
+            src = np.concatenate([src, np.full(pad, -1, np.int32)])
             ids = np.concatenate([ids, np.zeros(pad, np.int32)])
             pos = np.concatenate([pos, np.zeros(pad, np.int32)])
             slots = np.concatenate([slots, np.full(pad, -1, np.int64)])
             cu = np.arange(n + pad + 1, dtype=np.int32)
             ctx = np.concatenate([ctx, np.ones(pad, np.int32)])
             table = np.concatenate([table, np.zeros((pad, table.shape[1]), np.int32)])
+        buf.input_src.upload(src, st)
         buf.input_ids.upload(ids, st)
         buf.positions.upload(pos, st)
         buf.slot_mapping.upload(slots, st)
         buf.cu_seqlens.upload(cu, st)
         buf.context_lens.upload(ctx, st)
         buf.page_indices.upload_rows(table, self.sizes.pages_per_seq * 4, st)
+
+    def upload_step(self, b: StepBatch, pad_to: int | None = None,
+                    src_rows: np.ndarray | None = None, procs: bool = True) -> None:
+        """``upload`` and ``upload_sampling`` of ``b``: one copy when the inputs are staged."""
+        if self.staged is None:
+            self.upload(b, pad_to, src_rows)
+            self.upload_sampling(b, pad_to, procs)
+            return
+        n, s = b.num_seqs, b.sample_token_idx.shape[0]
+        if procs:
+            self.buf.procs.stage(b.procs, s if pad_to is None else max(pad_to, s), self.stream)
+        self.staged.put_step(b, 0 if pad_to is None else pad_to - n, self.stream, src_rows,
+                             pad_sampling=0 if pad_to is None else pad_to - s)
 
     def upload_sampling(self, b: StepBatch, pad_to: int | None = None,
                         procs: bool = True) -> None:
@@ -439,7 +439,9 @@ class CudaExecutor(Executor):
         # layer's down adds into resid, or, unfused, after the next add_norm), and at the end
         # the context K/V of the step's tokens in its own pages
         draft = self.dflash
-        k.embed(buf.input_ids, w.embed, buf.resid, mc.vocab_size, t, st)
+        # (a row of input_src >= 0 takes its token from the previous step's samples)
+        k.embed_src(buf.input_ids, buf.input_src, buf.sampled, w.embed, buf.resid,
+                    mc.vocab_size, self.sizes.logit_rows, t, st)
         for li, lw in enumerate(w.layers):
             if fused:
                 k.qkv(buf.resid, lw["qkv"], buf.qkv, t, st, tile_as)
@@ -653,8 +655,7 @@ class CudaExecutor(Executor):
                       top_p=np.zeros(0, np.float32), min_p=np.zeros(0, np.float32),
                       seeds=np.zeros(0, np.uint64), sample_steps=np.zeros(0, np.uint32),
                       num_logprobs=z)
-        self.upload(b, pad_to=bucket)
-        self.upload_sampling(b, pad_to=bucket)
+        self.upload_step(b, pad_to=bucket)
 
     def execute(self, b: StepBatch) -> StepOutput:
         try:
@@ -699,20 +700,19 @@ class CudaExecutor(Executor):
             if split:
                 self.heads.pad(b.num_seqs)  # (lazy captures, before the upload)
                 self.tails.pad(b.num_seqs)
-            self.upload(b, pad_to=bucket)
             if split:
-                self.upload_sampling(b, pad_to=bucket, procs=False)
+                self.upload_step(b, pad_to=bucket, procs=False)
                 self.heads.replay(bucket)  # the GPU runs the forward ...
                 b.procs.fill_masks()  # ... while the host computes the grammar masks
                 buf.procs.stage(b.procs, bucket, st)
                 self._tail(bucket)
                 graph = True
             elif self.graphs is not None and bucket is not None:
-                self.upload_sampling(b, pad_to=bucket)
+                self.upload_step(b, pad_to=bucket)
                 self.graphs.replay(bucket)
                 graph = True
             else:
-                self.upload_sampling(b, pad_to=bucket)
+                self.upload_step(b, pad_to=bucket)
                 self.decode_body(b.num_seqs, self.decode_splits(b.num_seqs))
             tokens = self._sampled(b, s_rows)
         elif (rows := self.verify_rows(b)) is not None and rows.num_tokens <= self.sizes.b_max:
@@ -720,8 +720,7 @@ class CudaExecutor(Executor):
         elif (rows := self.mixed_rows(b)) is not None:
             assert self.mixed is not None
             bucket = self.mixed.pad(rows.num_tokens)  # (a lazy capture, before the upload)
-            self.upload(rows, pad_to=bucket)
-            self.upload_sampling(rows, pad_to=bucket)
+            self.upload_step(rows, pad_to=bucket)
             self.mixed.replay(bucket)
             graph = True
             if s_rows:
@@ -806,14 +805,14 @@ class CudaExecutor(Executor):
     # -- async scheduling ------------------------------------------------------------------------
     def launch(self, b: StepBatch, src_rows: np.ndarray | None = None) -> Any:
         """A decode step that replays its bucket's graph is enqueued and left running: its
-        input tokens of ``src_rows`` are copied on the device from the previous step's samples
-        (runs of rows, one copy each), its samples go to a pinned buffer behind an event
+        input tokens of ``src_rows`` come from the previous step's samples on the device (the
+        embedding gathers them, ``upload``), its samples go to a pinned buffer behind an event
         (``finish`` waits). Any other step runs now (``execute``; a continuation's tokens are
         then taken from the previous step's output on the host)."""
         n = b.num_seqs
         g = self.graphs
         # (a bucket still to capture lazily runs synchronously: its warm-up step would
-        # overwrite the previous step's samples before they are copied)
+        # overwrite the previous step's samples before they are gathered)
         if not (self._async_ok(b) and g is not None and g.plan.bucket(n) in g.graphs):
             if src_rows is not None:
                 prev = self._last_tokens()
@@ -827,15 +826,11 @@ class CudaExecutor(Executor):
 
     def _replay_continuation(self, runner: GraphRunner, b: StepBatch,
                              src_rows: np.ndarray | None, procs: bool) -> int:
-        """Stage a decode step in ``runner``'s bucket (its input tokens of ``src_rows`` copied
+        """Stage a decode step in ``runner``'s bucket (its input tokens of ``src_rows`` taken
         on the device from the previous step's samples) and replay it; returns the bucket."""
         self._check(b)
-        buf = self.buf
         bucket = runner.pad(b.num_seqs)
-        self.upload(b, pad_to=bucket)
-        if src_rows is not None:
-            _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, src_rows, self.stream)
-        self.upload_sampling(b, pad_to=bucket, procs=procs)
+        self.upload_step(b, pad_to=bucket, src_rows=src_rows, procs=procs)
         runner.replay(bucket)
         return bucket
 
@@ -861,7 +856,7 @@ class CudaExecutor(Executor):
             self._check(b)
             out = self._queued = _Heads(b, h.pad(n), src_rows, queued=True)
             if self.staged is not None and isinstance(self._awaiting, _Heads):
-                self.staged.put_tokens(b, out.bucket - n, self.stream)
+                self.staged.put_tokens(b, out.bucket - n, self.stream, src_rows)
                 out.tokens_up = True
             return out
         self._awaiting = out
@@ -879,12 +874,11 @@ class CudaExecutor(Executor):
             out = self._download_async(n)
         q, self._queued = self._queued, None
         if q is not None:  # the forward queued behind this tail
-            buf, h = self.buf, self.heads
-            if not q.tokens_up:
-                self.upload(q.batch, pad_to=q.bucket)
-            if q.src_rows is not None:
-                _copy_runs(buf.sampled.ptr, buf.input_ids.ptr, q.src_rows, self.stream)
-            self.upload_sampling(q.batch, pad_to=q.bucket, procs=False)
+            h = self.heads
+            if q.tokens_up:
+                self.upload_sampling(q.batch, pad_to=q.bucket, procs=False)
+            else:
+                self.upload_step(q.batch, pad_to=q.bucket, src_rows=q.src_rows, procs=False)
             h.replay(q.bucket)
             q.queued = False
             self._awaiting = q

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         DecodeAttentionLauncher,
         DecodeRopeAttentionLauncher,
     )
-    from cutlass_kernels.embedding import EmbeddingLauncher
+    from cutlass_kernels.embedding import EmbeddingFromSamplesLauncher, EmbeddingLauncher
     from cutlass_kernels.gemm import GemmLauncher
     from cutlass_kernels.logits_process import CountTokensLauncher, LogitsProcessLauncher
     from cutlass_kernels.prefill_attention import PrefillAttentionLauncher
@@ -192,8 +192,10 @@ def plan_num_pages(mc: ModelConfig, ec: EngineConfig, free: int, total: int,
 class Kernels:
     """Every kernel the forward, logits and sampling launch, compiled for one model's shapes."""
 
-    embed: EmbeddingLauncher  # token ids -> rows of the embedding matrix
+    embed: EmbeddingLauncher  # token ids -> rows of the embedding matrix (the DFlash drafter)
     gather_rows: EmbeddingLauncher  # logit_idx -> rows of the final hidden states
+    # the forward's embedding: ids, or the previous step's samples (``StepBuffers.input_src``)
+    embed_src: EmbeddingFromSamplesLauncher
     norm: RMSNormLauncher  # the final norm; layer 0's input norm on the unfused path
     add_norm: RMSNormLauncher  # residual += delta, then norm (the unfused path)
     rope: RopeKVLauncher  # q/k norm + RoPE + KV-cache write
@@ -268,7 +270,7 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
         compile_decode_attention,
         compile_decode_rope_attention,
     )
-    from cutlass_kernels.embedding import compile_embedding
+    from cutlass_kernels.embedding import compile_embedding, compile_embedding_from_samples
     from cutlass_kernels.gemm import compile_gemm, wide_options
     from cutlass_kernels.logits_process import compile_count_tokens, compile_logits_process
     from cutlass_kernels.prefill_attention import compile_prefill_attention
@@ -309,6 +311,7 @@ def _jobs(mc: ModelConfig) -> dict[str, Job]:
         # compiled also when the forward does not use it (then at the default warps x stages)
         "decode_rope": (compile_decode_rope_attention, (nq, nkv, hd, 16, mc.qk_norm),
                         {**(rope_attention_options(mc) or {}), "pdl": envs.pdl_attention()}),
+        "embed_src": (compile_embedding_from_samples, (h,), {}),
         "embed": (compile_embedding, (h,), {}),
         # bf16 rows of width h too: the compile cache hands back the embed kernel itself
         "gather_rows": (compile_embedding, (h,), {}),
@@ -434,22 +437,26 @@ class StepBuffers:
         p = Padded.of(mc)
         t, b, h = s.t_max, s.b_max, p.hidden
         a = arena.alloc
-        # inputs (uploaded per step)
-        self.input_ids = a(t, np.int32, "input_ids")
-        self.positions = a(t, np.int32, "positions")
-        self.slot_mapping = a(t, np.int64, "slot_mapping")
-        self.cu_seqlens = a(b + 1, np.int32, "cu_seqlens")
-        self.context_lens = a(b, np.int32, "context_lens")
-        self.page_indices = a((b, s.pages_per_seq), np.int32, "page_indices")
-        self.logit_idx = a(s.logit_rows, np.int32, "logit_idx")
-        # sampling parameters (device data: a graph replays them fresh each step)
+        # inputs (uploaded per step, in this order: staged_inputs.ORDER, one copy a step).
+        # The sampled rows and their sampling parameters (device data: a graph replays them
+        # fresh each step)
         r = s.logit_rows
+        self.logit_idx = a(r, np.int32, "logit_idx")
         self.temperature = a(r, np.float32, "temperature")
         self.top_k = a(r, np.int32, "top_k")
         self.top_p = a(r, np.float32, "top_p")
         self.min_p = a(r, np.float32, "min_p")
         self.seeds = a(r, np.uint64, "seeds")
         self.steps = a(r, np.uint32, "steps")
+        # the token rows: input_src[t] >= 0 takes row t's token from the previous step's
+        # ``sampled`` (the forward's embedding gathers it), -1 keeps input_ids[t]
+        self.input_src = a(t, np.int32, "input_src")
+        self.input_ids = a(t, np.int32, "input_ids")
+        self.positions = a(t, np.int32, "positions")
+        self.slot_mapping = a(t, np.int64, "slot_mapping")
+        self.cu_seqlens = a(b + 1, np.int32, "cu_seqlens")
+        self.context_lens = a(b, np.int32, "context_lens")
+        self.page_indices = a((b, s.pages_per_seq), np.int32, "page_indices")
         self.targets = a(r, np.int32, "targets")
         self.sampled = a(r, np.int32, "sampled")
         self.lp_token = a(r, np.float32, "lp_token")
@@ -488,3 +495,4 @@ class StepBuffers:
         stream.synchronize()
         # padding rows of graphs read page 0 (the padding page): keep the table zeroed
         self.page_indices.fill_bytes(0, stream)
+        self.input_src.fill_bytes(0xFF, stream)  # -1: no token from the samples (warm-ups)

@@ -1,15 +1,18 @@
-"""A step's inputs through one pinned mirror: two copies a step instead of thirteen.
+"""A step's inputs through one pinned mirror: one copy a step instead of fourteen.
 
 The per-step input buffers of ``StepBuffers`` lie in the arena one after the other (it bump-
-allocates in order): the token group (input_ids, positions, slot_mapping, cu_seqlens,
-context_lens), page_indices, then the sampling group (logit_idx, temperature, top_k, top_p,
-min_p, seeds, steps). ``StagedInputs`` keeps a page-locked host copy of that whole span, with a
-numpy view per buffer at the buffer's own offset. A step writes its arrays (and its padding
-rows) into the views, then uploads the token group with the page rows it uses, and the sampling
-group, with one asynchronous copy each, straight from pinned memory. Before: one pageable copy per
-array, ~57 us of host time a step on the H200 host (docs/perf.md v12, ``upload+upload_sampling``).
+allocates in order): the sampling group (logit_idx, temperature, top_k, top_p, min_p, seeds,
+steps), the token group (input_src, input_ids, positions, slot_mapping, cu_seqlens,
+context_lens), then page_indices. ``StagedInputs`` keeps a page-locked host copy of that whole
+span, with a numpy view per buffer at the buffer's own offset. A step writes its arrays (and its
+padding rows) into the views, then uploads both groups with the page rows it uses in one
+asynchronous copy straight from pinned memory (``put_step``); a group can also go up alone
+(``put_tokens``, ``put_sampling``: a deferred step's token rows go up before its sampling rows).
+Before v14: one pageable copy per array, ~57 us of host time a step on the H200 host
+(docs/perf.md v12); v28: two copies (~10 us each a step at batch 1) and a device copy of the
+previous samples, which the forward's embedding now gathers itself (``input_src``).
 
-A group is copied whole (its buffers are sized for the largest step, ~40 KB for 2,048 tokens),
+A group is copied whole (its buffers are sized for the largest step, ~45 KB for 2,048 tokens),
 so entries past a step's rows carry what earlier steps left there; no kernel reads them (the
 same holds for the page-index columns past a sequence's pages, as before). A group's views are
 rewritten only after its previous copies are done (an event recorded behind them: a step that
@@ -25,9 +28,9 @@ import numpy as np
 
 from engine.cuda.driver import DeviceBuffer, Event, PinnedBuffer, Stream, _cu, check
 
-TOKENS = ("input_ids", "positions", "slot_mapping", "cu_seqlens", "context_lens")
 SAMPLING = ("logit_idx", "temperature", "top_k", "top_p", "min_p", "seeds", "steps")
-ORDER = (*TOKENS, "page_indices", *SAMPLING)
+TOKENS = ("input_src", "input_ids", "positions", "slot_mapping", "cu_seqlens", "context_lens")
+ORDER = (*SAMPLING, *TOKENS, "page_indices")
 GAP = 256  # the arena's alignment: buffers allocated one after the other lie closer than this
 
 
@@ -78,12 +81,51 @@ class StagedInputs(PinnedMirror):
         self.copied[group].record(stream)
         self.pending[group] = True
 
-    def put_tokens(self, b: Any, pad: int, stream: Stream) -> None:
+    def put_tokens(self, b: Any, pad: int, stream: Stream,
+                   src_rows: np.ndarray | None = None) -> None:
         """The token group and the page rows of StepBatch ``b``, plus ``pad`` padding rows
-        (token 0, position 0, no KV write, context 1, page 0; one query token each)."""
+        (token 0, position 0, no KV write, context 1, page 0; one query token each).
+        ``src_rows`` (decode rows): row t's token is the previous step's sample
+        ``src_rows[t]`` (gathered on the device), -1 keeps ``b.input_ids[t]``."""
         self._wait("tokens")
+        self._write_tokens(b, pad, src_rows)
+        # one copy: the token group and the page rows it uses (page_indices follows the group
+        # in the arena; the alignment gap between them belongs to no buffer)
+        self.copy("input_src", "page_indices", stream, last_bytes=self._table_bytes(b, pad))
+        self._done("tokens", stream)
+
+    def put_sampling(self, b: Any, pad: int, stream: Stream) -> None:
+        """The sampling group of ``b``'s S sample rows, plus ``pad`` greedy padding rows."""
+        self._wait("sampling")
+        self._write_sampling(b, pad)
+        self.copy("logit_idx", "steps", stream)
+        self._done("sampling", stream)
+
+    def put_step(self, b: Any, pad: int, stream: Stream, src_rows: np.ndarray | None = None,
+                 pad_sampling: int | None = None) -> None:
+        """``put_sampling`` and ``put_tokens`` in one copy (the groups lie one after the
+        other; page_indices follows them). ``pad_sampling``: the sampling group's padding rows
+        (default ``pad``)."""
+        self._wait("sampling")
+        self._wait("tokens")
+        self._write_sampling(b, pad if pad_sampling is None else pad_sampling)
+        self._write_tokens(b, pad, src_rows)
+        self.copy("logit_idx", "page_indices", stream, last_bytes=self._table_bytes(b, pad))
+        self._done("sampling", stream)
+        self._done("tokens", stream)
+
+    def _table_bytes(self, b: Any, pad: int) -> int:
+        return (b.page_indices.shape[0] + max(pad, 0)) * self.row_bytes
+
+    def _write_tokens(self, b: Any, pad: int, src_rows: np.ndarray | None) -> None:
         v, n, t = self.v, b.num_seqs, b.num_tokens
         v["input_ids"][:t] = b.input_ids
+        if src_rows is None:
+            v["input_src"][:t] = -1
+        else:
+            if src_rows.shape[0] != t:
+                raise ValueError(f"src_rows has {src_rows.shape[0]} rows, the step {t} tokens")
+            v["input_src"][:t] = src_rows
         v["positions"][:t] = b.positions
         v["slot_mapping"][:t] = b.slot_mapping
         v["context_lens"][:n] = b.context_lens
@@ -91,6 +133,7 @@ class StagedInputs(PinnedMirror):
         rows, width = table.shape
         v["page_indices"][:rows, :width] = table
         if pad > 0:  # (decode graphs: t == n)
+            v["input_src"][t:t + pad] = -1
             v["input_ids"][t:t + pad] = 0
             v["positions"][t:t + pad] = 0
             v["slot_mapping"][t:t + pad] = -1
@@ -99,15 +142,8 @@ class StagedInputs(PinnedMirror):
             v["page_indices"][rows:rows + pad, :width] = 0
         else:
             v["cu_seqlens"][:n + 1] = b.cu_seqlens_q
-        # one copy: the token group and the page rows it uses (page_indices follows the group
-        # in the arena; the alignment gap between them belongs to no buffer)
-        self.copy("input_ids", "page_indices", stream,
-                  last_bytes=(rows + max(pad, 0)) * self.row_bytes)
-        self._done("tokens", stream)
 
-    def put_sampling(self, b: Any, pad: int, stream: Stream) -> None:
-        """The sampling group of ``b``'s S sample rows, plus ``pad`` greedy padding rows."""
-        self._wait("sampling")
+    def _write_sampling(self, b: Any, pad: int) -> None:
         v, n = self.v, b.sample_token_idx.shape[0]
         v["logit_idx"][:n] = b.sample_token_idx
         if pad > 0:  # graph padding rows gather token rows n.. (decode: row i samples token i)
@@ -118,8 +154,6 @@ class StagedInputs(PinnedMirror):
             v[name][:n] = src
             if pad > 0:
                 v[name][n:n + pad] = fill
-        self.copy("logit_idx", "steps", stream)
-        self._done("sampling", stream)
 
     def close(self) -> None:
         for g in self.copied:

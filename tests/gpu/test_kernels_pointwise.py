@@ -16,6 +16,7 @@ import pytest
 from tests.kernel_refs import (
     ref_cos_sin,
     ref_embedding,
+    ref_embedding_from_samples,
     ref_filter_margin,
     ref_gumbel_margin,
     ref_place_tokens,
@@ -92,6 +93,37 @@ def test_embedding_gathers_rows(cuda_ctx, stream, seed, hidden, tokens):
     stream.synchronize()
     np.testing.assert_array_equal(_bits(out.download()), _bits(ref_embedding(ids, table)),
                                   err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("hidden", [64, 1024, 4096])
+def test_embedding_from_samples_gathers_rows(cuda_ctx, stream, seed, hidden, tokens):
+    """Rows whose ``src`` is in [0, num_src) embed (and write back into ids) the sample it
+    names; the others embed their own id (out of range: zeros); ids past T are never written."""
+    from cutlass_kernels.embedding import compile_embedding_from_samples
+
+    rng = np.random.default_rng(seed)
+    rows = 1000
+    n_src = int(rng.integers(1, 200))
+    table = rng.standard_normal((rows, hidden), np.float32).astype(BF16)
+    samples = rng.integers(0, rows, n_src).astype(np.int32)
+    ids = rng.integers(0, rows, tokens).astype(np.int32)
+    src = rng.integers(-2, n_src + 2, tokens).astype(np.int32)
+    src[0] = n_src - 1
+    if tokens >= 4:  # kept: no source, a source past the samples; an own id out of range
+        src[1], src[2], src[-1] = -1, n_src, -1
+        ids[-1] = rows
+    ids_dev = _poisoned(tokens + 32, np.int32, stream)
+    ids_dev.upload(np.concatenate([ids, np.full(32, -7, np.int32)]), stream)
+    out = _poisoned((tokens, hidden), BF16, stream)
+    compile_embedding_from_samples(hidden)(ids_dev, _dev(src), _dev(samples), _dev(table), out,
+                                           rows, n_src, tokens, stream)
+    stream.synchronize()
+    want, want_ids = ref_embedding_from_samples(ids, src, samples, table)
+    np.testing.assert_array_equal(_bits(out.download()), _bits(want), err_msg=f"seed={seed}")
+    got_ids = ids_dev.download()
+    np.testing.assert_array_equal(got_ids[:tokens], want_ids, err_msg=f"seed={seed}")
+    assert (got_ids[tokens:] == -7).all(), "an id past num_tokens was written"
 
 
 # ---- draft placement ---------------------------------------------------------------------------

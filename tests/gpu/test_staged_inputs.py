@@ -1,6 +1,8 @@
 """The per-step inputs through the pinned mirror (StagedInputs) land on the device exactly as the
 one-copy-per-array path puts them: decode steps padded to a bucket, mixed prefill steps, with
-the device buffers poisoned before each upload."""
+the device buffers poisoned before each upload; one copy for both groups (``upload_step``) as two
+(``upload`` + ``upload_sampling``); decode rows whose tokens come from the previous samples
+(``src_rows``)."""
 
 from __future__ import annotations
 
@@ -72,25 +74,36 @@ def test_staged_uploads_equal_the_per_array_uploads():
         cases.append((_batch(rng, lens, ctx, ex.num_pages, ex.mc.vocab_size), None))
     staged = ex.staged
     for batch, pad_to in cases:
+        src = None
+        if pad_to is not None and rng.random() < 0.7:  # decode rows from previous samples
+            src = rng.integers(-1, 16, batch.num_seqs).astype(np.int32)
         got = {}
-        for mode in ("staged", "per-array"):
-            ex.staged = staged if mode == "staged" else None
+        for mode in ("staged", "staged-one-copy", "per-array"):
+            ex.staged = None if mode == "per-array" else staged
             _poison(ex)
-            ex.upload(batch, pad_to=pad_to)
-            ex.upload_sampling(batch, pad_to=pad_to)
+            if mode == "staged-one-copy":
+                ex.upload_step(batch, pad_to=pad_to, src_rows=src)
+            else:
+                ex.upload(batch, pad_to=pad_to, src_rows=src)
+                ex.upload_sampling(batch, pad_to=pad_to)
             got[mode] = _device_state(ex)
         ex.staged = staged
         n, t = batch.num_seqs, batch.num_tokens
         rows = n if pad_to is None else pad_to
         toks = t if pad_to is None else t + pad_to - n
         width = batch.page_indices.shape[1]
-        used = {"input_ids": toks, "positions": toks, "slot_mapping": toks,
+        want_src = np.full(toks, -1, np.int32)
+        if src is not None:
+            want_src[:t] = src
+        np.testing.assert_array_equal(got["per-array"]["input_src"][:toks], want_src)
+        used = {"input_src": toks, "input_ids": toks, "positions": toks, "slot_mapping": toks,
                 "cu_seqlens": rows + 1, "context_lens": rows, "logit_idx": rows,
                 "temperature": rows, "top_k": rows, "top_p": rows, "min_p": rows,
                 "seeds": rows, "steps": rows}
-        for name, k in used.items():
-            np.testing.assert_array_equal(got["staged"][name][:k], got["per-array"][name][:k],
-                                          err_msg=f"{name} (pad_to {pad_to})")
-        np.testing.assert_array_equal(got["staged"]["page_indices"][:rows, :width],
-                                      got["per-array"]["page_indices"][:rows, :width])
+        for mode in ("staged", "staged-one-copy"):
+            for name, k in used.items():
+                np.testing.assert_array_equal(got[mode][name][:k], got["per-array"][name][:k],
+                                              err_msg=f"{mode}: {name} (pad_to {pad_to})")
+            np.testing.assert_array_equal(got[mode]["page_indices"][:rows, :width],
+                                          got["per-array"]["page_indices"][:rows, :width])
     ex.shutdown()
