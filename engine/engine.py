@@ -324,7 +324,11 @@ class LLMEngine(OutputViews):
         self._mark()
         deferred, batch, bad = False, None, None
         if nxt is not None:
-            deferred = self.processors.active and any(s.request.procs for s in nxt.seqs)
+            # only rows that depend on out's tokens wait for them (grammar masks, bad words,
+            # min_tokens); penalties, logit_bias and allowed ids ride the whole decode graph
+            deferred = self.processors.active and any(
+                s.request.procs is not None and not s.request.procs.known_ahead()
+                for s in nxt.seqs)
             batch, bad = self._build(nxt, deferred)
         launched = None
         if nxt is not None:

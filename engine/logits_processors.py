@@ -170,6 +170,18 @@ class RequestProcessors:
                 entries[w[-1]] = NEG_INF
         return self._pack(entries)
 
+    def known_ahead(self) -> bool:
+        """Whether this request's row for the step after the one in flight can be built before
+        that step completes (async scheduling): nothing in it depends on the token in flight.
+        Penalties (their counts advance on the device), logit_bias, allowed ids and
+        single-token bans qualify; a grammar, a multi-token bad word (it looks at the last
+        tokens) and a min_tokens still unmet (the output count, one short here, decides the
+        stop ban; once met it stays met) do not, nor a row whose slot would be rebuilt from
+        the token ids (the one in flight is not among them yet)."""
+        return (self.structured is None and not self.bad_multi
+                and len(self.request.output_token_ids) >= self.min_tokens
+                and (self.slot is not None or not self.needs_slot))
+
     def slot_init(self, vocab_size: int) -> SlotInit:
         req = self.request
         return SlotInit(self.slot, token_bits(req.prompt_token_ids, vocab_size),  # type: ignore

@@ -70,7 +70,7 @@ def _workload(rng: np.random.Generator, n: int, sync_only: bool = True,
         if sync_only and rng.random() < 0.1:
             kw["logprobs"] = 2  # decodes synchronously (the pipeline ends for it)
         if sync_only and rng.random() < 0.1:
-            kw["repetition_penalty"] = 1.2  # a logits processor (its steps are deferred)
+            kw["repetition_penalty"] = 1.2  # a logits processor (rows built ahead)
         params.append(SamplingParams(**kw))
     return prompts, params
 
@@ -312,10 +312,30 @@ def _deferred_count(llm: LLM) -> list[int]:
     return seen
 
 
+def _launches(llm: LLM) -> list[int]:
+    """[steps launched whole with logits processor rows, steps launched deferred] from now on."""
+    ex = llm.engine.executor
+    launch, deferred = ex.launch, ex.launch_deferred
+    seen = [0, 0]
+
+    def spy(batch, src_rows=None):
+        seen[0] += batch.procs is not None and src_rows is not None
+        return launch(batch, src_rows)
+
+    def spy_deferred(batch, src_rows=None):
+        seen[1] += 1
+        return deferred(batch, src_rows)
+
+    ex.launch, ex.launch_deferred = spy, spy_deferred
+    return seen
+
+
 def _proc_workload(rng: np.random.Generator, n: int, vocab: int, late_stops: bool = True):
     """Prompts and params where most requests have logits processors whose rows depend on the
     tokens so far (penalties, min_tokens with a biased stop id, allowed ids, logit_bias);
-    ``late_stops`` False: penalties instead of min_tokens, EOS ignored (``_workload``)."""
+    ``late_stops`` False: EOS ignored (``_workload``), and half the min_tokens requests get
+    penalties instead, the other half min_tokens = max_tokens (their biased stop id banned to
+    the end: they end by length, and every step holding one is deferred)."""
     prompts, params = [], []
     for _ in range(n):
         prompts.append(rng.integers(5, 300, int(rng.integers(1, 40))).tolist())
@@ -326,12 +346,13 @@ def _proc_workload(rng: np.random.Generator, n: int, vocab: int, late_stops: boo
         r = rng.random()
         if r < 0.25:
             kw.update(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3)
-        elif r < 0.5 and not late_stops:
+        elif r < 0.375 and not late_stops:
             kw.update(repetition_penalty=0.8, presence_penalty=-0.5)
         elif r < 0.5:
             stop = int(rng.integers(5, 300))
-            kw.update(min_tokens=int(rng.integers(1, min(8, kw["max_tokens"]))),
-                      stop_token_ids=[stop],
+            least = (int(rng.integers(1, min(8, kw["max_tokens"]))) if late_stops
+                     else kw["max_tokens"])
+            kw.update(min_tokens=least, stop_token_ids=[stop],
                       logit_bias={stop: 30.0})  # the stop id wins once min_tokens allows it
         elif r < 0.7:
             kw.update(allowed_token_ids=rng.integers(0, vocab, 40).tolist())
@@ -346,11 +367,13 @@ def _proc_workload(rng: np.random.Generator, n: int, vocab: int, late_stops: boo
 def test_logits_processor_steps_pipeline_and_equal_synchronous(tiny: Path) -> None:
     """Decode steps with logits processors pipeline too: the next step's forward is launched
     before the one in flight completes, its processor rows (min_tokens, penalties, bans) are
-    built once it has (``launch_deferred`` / ``launch_procs``). Outputs equal synchronous
+    built once it has (``launch_deferred`` / ``launch_procs``), or built ahead when none of
+    its rows depends on the token in flight (``launch``; see
+    ``test_token_independent_processors_are_built_ahead``). Outputs equal synchronous
     scheduling's, with preemption and prefix caching, and no page or slot is left."""
     seed = int(np.random.default_rng().integers(1 << 30))
     rng = np.random.default_rng(seed)
-    deferred = 0
+    pipelined = 0
     for _ in range(3):
         opts = dict(backend="numpy", max_num_seqs=int(rng.integers(2, 9)),
                     num_gpu_blocks_override=int(rng.integers(24, 80)), max_model_len=256,
@@ -360,12 +383,54 @@ def test_logits_processor_steps_pipeline_and_equal_synchronous(tiny: Path) -> No
                                          want_llm.engine.model_config.vocab_size)
         want = want_llm.generate(prompts, params)
         llm = LLM(str(tiny), async_scheduling=True, **opts)
-        seen = _deferred_count(llm)
+        seen = _launches(llm)
         _same(llm.generate(prompts, params), want, f"seed {seed}")
         _no_pages_left(llm)
         assert not llm.engine.processors.active and not llm.engine.processors.pool.holders
-        deferred += seen[0]
-    assert deferred > 0, seed
+        pipelined += sum(seen)
+    assert pipelined > 0, seed
+
+
+def test_token_independent_processors_are_built_ahead(tiny: Path) -> None:
+    """Penalties, logit_bias, allowed ids and a met min_tokens do not depend on the token in
+    flight: a continuation holding only those is launched whole with its processor rows
+    (``launch`` with ``src_rows``), never deferred. A min_tokens still unmet (its stop ban
+    depends on the output count) defers its steps until it is met. Outputs equal synchronous
+    scheduling's."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    opts = dict(backend="numpy", max_num_seqs=8, max_model_len=256)
+    want_llm = LLM(str(tiny), async_scheduling=False, **opts)
+    vocab = want_llm.engine.model_config.vocab_size
+    prompts = [rng.integers(5, 300, int(rng.integers(2, 30))).tolist() for _ in range(6)]
+    base = dict(max_tokens=24, ignore_eos=True, seed=int(rng.integers(1 << 30)))
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.4, **base),
+              SamplingParams(temperature=0.8, frequency_penalty=0.5, presence_penalty=0.4,
+                             **base),
+              SamplingParams(temperature=0.0, logit_bias={int(rng.integers(vocab)): 4.0},
+                             **base),
+              SamplingParams(temperature=0.8, allowed_token_ids=rng.integers(
+                  0, vocab, 30).tolist(), **base),
+              SamplingParams(temperature=0.0, **base),
+              SamplingParams(temperature=0.0, repetition_penalty=0.7, **base)]
+    want = want_llm.generate(prompts, params)
+    llm = LLM(str(tiny), async_scheduling=True, **opts)
+    seen = _launches(llm)
+    _same(llm.generate(prompts, params), want, f"seed {seed}")
+    assert seen[0] >= 15 and seen[1] == 0, seen  # ~22 continuations, all built ahead
+    _no_pages_left(llm)
+    assert not llm.engine.processors.active and not llm.engine.processors.pool.holders
+    # min_tokens = 8 of a stop id: deferred while unmet (the first ~7 steps), then built ahead
+    stop = int(rng.integers(5, 300))
+    params[4] = SamplingParams(temperature=0.0, min_tokens=8, stop_token_ids=[stop],
+                               logit_bias={stop: 30.0}, max_tokens=24)
+    want = want_llm.generate(prompts, params)
+    seen = _launches(llm)
+    got = llm.generate(prompts, params)
+    _same(got, want, f"seed {seed}")
+    assert len(got[4].outputs[0].token_ids) == 9  # 8 outputs, then the biased stop id
+    assert 3 <= seen[1] <= 8 and seen[0] >= 10, seen
+    _no_pages_left(llm)
 
 
 def test_structured_output_pipelines_and_equals_synchronous(chat_dir: Path) -> None:
@@ -420,7 +485,9 @@ def test_a_deferred_step_that_fails_fails_only_its_requests(tiny: Path) -> None:
         return inner(handle, procs)
 
     ex.launch_procs = flaky
-    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    # min_tokens unmet to the end: every continuation is deferred (penalties alone are not)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                        min_tokens=20, stop_token_ids=[11])
     outs = llm.generate([[5, 6, 7], [8, 9, 10]], [sp, sp])
     assert all(o.outputs[0].finish_reason == "error" for o in outs), outs
     assert "injected" in (outs[0].outputs[0].error or "")

@@ -933,9 +933,13 @@ class CudaExecutor(Executor):
 
     @staticmethod
     def _async_ok(b: StepBatch) -> bool:
-        """A step the async path launches: a decode step sampling every row, without logits
-        processors or logprobs (those run through ``execute``)."""
-        return (b.is_decode and b.sample_token_idx.shape[0] == b.num_seqs and b.procs is None
+        """A step the async path launches: a decode step sampling every row, without grammar
+        masks to compute or logprobs (those run through ``execute``). Other logits processors
+        (penalties, logit_bias, allowed ids, bans) are staged with the step's inputs and run
+        inside the whole decode graph."""
+        return (b.is_decode and b.sample_token_idx.shape[0] == b.num_seqs
+                and (b.procs is None or (b.procs.fill is None and b.procs.future is None
+                                         and not b.procs.grammar_mask.shape[0]))
                 and not (b.num_logprobs >= 0).any())
 
     # -- sampling and logprobs -------------------------------------------------------------------

@@ -2,7 +2,9 @@
 host (their input tokens copied on the device from the previous samples, their samples read
 back through pinned memory behind an event) give synchronous scheduling's outputs token for
 token, greedy and seeded, with stop tokens, EOS and mixed arrivals; so do steps with logits
-processors, whose heads graph runs before their processor rows exist (``launch_deferred``)."""
+processors, whose heads graph runs before their processor rows exist (``launch_deferred``), or
+whose rows are built ahead when none depends on the token in flight (penalties, logit_bias,
+allowed ids: ``launch`` replays the whole decode graph with them)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tests.gpu.helpers import report
 from tests.test_async_scheduling import (
     _counting,
     _deferred_count,
+    _launches,
     _proc_workload,
     _same,
     _workload,
@@ -52,9 +55,11 @@ def test_async_scheduling_equals_synchronous_on_cuda(model_dir):
 
 
 def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
-    """Penalties, min_tokens, allowed ids and logit_bias rows, seeded and greedy: the heads
-    graph of step N+1 runs from N's samples on the device, the processor rows are staged once
-    N is complete, the tail samples; outputs equal synchronous scheduling's.
+    """Penalties, min_tokens, allowed ids and logit_bias rows, seeded and greedy: while a step
+    holds a min_tokens row still unmet, the heads graph of step N+1 runs from N's samples on
+    the device, the processor rows are staged once N is complete, the tail samples; once none
+    is left, the rows are built ahead and the whole decode graph replays with them. Outputs
+    equal synchronous scheduling's.
 
     Requests end by length only (see the test above; seed 537892371, with min_tokens stops,
     differed in a last token)."""
@@ -69,6 +74,7 @@ def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
     del sync
     llm = LLM(str(model_dir), async_scheduling=True, **opts)
     seen = _deferred_count(llm)
+    launched = _launches(llm)  # (built ahead once no unmet min_tokens row is left, maybe)
     ex = llm.engine.executor
     heads0, tails0 = ex.heads.replays, ex.tails.replays
     _same(llm.generate(prompts, params), want, f"seed {seed}")
@@ -79,7 +85,37 @@ def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
     assert ex._queued is None and ex._awaiting is None
     assert llm.engine.block_manager.gauges()["live"] == 0
     report({"test": "deferred_procs_equal_sync_cuda", "deferred": seen[0], "head_replays": heads,
+            "built_ahead": launched[0],
             "tail_replays": ex.tails.replays - tails0, "queued_heads": ex.queued_heads})
+
+
+def test_processor_rows_built_ahead_equal_synchronous_on_cuda(model_dir):
+    """Penalties (both signs), allowed ids and logit_bias rows, seeded and greedy, no
+    min_tokens: no row depends on the token in flight, so every continuation is launched whole
+    (its rows staged with its inputs, the whole decode graph replayed) and none is deferred.
+    Outputs equal synchronous scheduling's."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    opts = dict(backend="cuda", max_num_seqs=32, max_model_len=512,
+                num_gpu_blocks_override=32 * 32 + 8)
+    sync = LLM(str(model_dir), async_scheduling=False, **opts)
+    prompts, params = _proc_workload(rng, 64, sync.engine.model_config.vocab_size,
+                                     late_stops=False)
+    keep = [i for i, p in enumerate(params) if not p.min_tokens]
+    prompts, params = [prompts[i] for i in keep], [params[i] for i in keep]
+    want = sync.generate(prompts, params)
+    del sync
+    llm = LLM(str(model_dir), async_scheduling=True, **opts)
+    launched = _launches(llm)
+    graphs0 = llm.engine.stats.graph_steps
+    _same(llm.generate(prompts, params), want, f"seed {seed}")
+    ex = llm.engine.executor
+    assert launched[0] > 0 and launched[1] == 0, launched
+    assert llm.engine.stats.graph_steps > graphs0
+    assert ex._queued is None and ex._awaiting is None
+    assert llm.engine.block_manager.gauges()["live"] == 0
+    report({"test": "procs_built_ahead_equal_sync_cuda", "built_ahead": launched[0],
+            "graph_steps": llm.engine.stats.graph_steps - graphs0})
 
 
 def test_a_failing_deferred_step_discards_the_forward_queued_behind_it(model_dir):
@@ -102,7 +138,9 @@ def test_a_failing_deferred_step_discards_the_forward_queued_behind_it(model_dir
         return inner(handle, procs)
 
     ex.launch_procs = flaky
-    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3)
+    # min_tokens unmet to the end: every continuation is deferred (penalties alone are not)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                        min_tokens=20, stop_token_ids=[11])
     outs = llm.generate([[5, 6, 7], [8, 9, 10]], [sp, sp])
     assert queued[0] == 1, "no failure while a forward was queued"
     assert all(o.outputs[0].finish_reason == "error" for o in outs), outs
@@ -129,7 +167,8 @@ def test_deferred_steps_behind_a_whole_deferred_step_equal_synchronous(model_dir
     rng = np.random.default_rng()
     prompts = [rng.integers(5, 300, int(rng.integers(3, 30))).tolist() for _ in range(6)]
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 3 * i, ignore_eos=True,
-                             repetition_penalty=1.3, logprobs=1 if i < 2 else None)
+                             repetition_penalty=1.3, logprobs=1 if i < 2 else None,
+                             min_tokens=4 + 3 * i, stop_token_ids=[11])  # (deferred steps)
               for i in range(6)]
     want = LLM(str(model_dir), async_scheduling=False, **opts).generate(prompts, params)
     llm = LLM(str(model_dir), async_scheduling=True, **opts)
