@@ -938,8 +938,7 @@ class CudaExecutor(Executor):
         (penalties, logit_bias, allowed ids, bans) are staged with the step's inputs and run
         inside the whole decode graph."""
         return (b.is_decode and b.sample_token_idx.shape[0] == b.num_seqs
-                and (b.procs is None or (b.procs.fill is None and b.procs.future is None
-                                         and not b.procs.grammar_mask.shape[0]))
+                and (b.procs is None or not b.procs.grammar_mask.shape[0])
                 and not (b.num_logprobs >= 0).any())
 
     # -- sampling and logprobs -------------------------------------------------------------------

@@ -54,6 +54,24 @@ def test_async_scheduling_equals_synchronous_on_cuda(model_dir):
             "graph_steps": st.graph_steps, "steps": st.steps})
 
 
+def _proc_want(model_dir, n: int, min_tokens: bool = True):
+    """(seed, opts, prompts, params, synchronous outputs) of ``_proc_workload(n)`` ended by
+    length (``min_tokens`` False: its min_tokens requests left out)."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    opts = dict(backend="cuda", max_num_seqs=32, max_model_len=512,
+                num_gpu_blocks_override=32 * 32 + 8)
+    sync = LLM(str(model_dir), async_scheduling=False, **opts)
+    prompts, params = _proc_workload(rng, n, sync.engine.model_config.vocab_size,
+                                     late_stops=False)
+    if not min_tokens:
+        keep = [i for i, p in enumerate(params) if not p.min_tokens]
+        prompts, params = [prompts[i] for i in keep], [params[i] for i in keep]
+    want = sync.generate(prompts, params)
+    del sync
+    return seed, opts, prompts, params, want
+
+
 def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
     """Penalties, min_tokens, allowed ids and logit_bias rows, seeded and greedy: while a step
     holds a min_tokens row still unmet, the heads graph of step N+1 runs from N's samples on
@@ -63,15 +81,7 @@ def test_deferred_processor_steps_equal_synchronous_on_cuda(model_dir):
 
     Requests end by length only (see the test above; seed 537892371, with min_tokens stops,
     differed in a last token)."""
-    seed = int(np.random.default_rng().integers(1 << 30))
-    rng = np.random.default_rng(seed)
-    opts = dict(backend="cuda", max_num_seqs=32, max_model_len=512,
-                num_gpu_blocks_override=32 * 32 + 8)
-    sync = LLM(str(model_dir), async_scheduling=False, **opts)
-    prompts, params = _proc_workload(rng, 48, sync.engine.model_config.vocab_size,
-                                     late_stops=False)
-    want = sync.generate(prompts, params)
-    del sync
+    seed, opts, prompts, params, want = _proc_want(model_dir, 48)
     llm = LLM(str(model_dir), async_scheduling=True, **opts)
     seen = _deferred_count(llm)
     launched = _launches(llm)  # (built ahead once no unmet min_tokens row is left, maybe)
@@ -94,17 +104,7 @@ def test_processor_rows_built_ahead_equal_synchronous_on_cuda(model_dir):
     min_tokens: no row depends on the token in flight, so every continuation is launched whole
     (its rows staged with its inputs, the whole decode graph replayed) and none is deferred.
     Outputs equal synchronous scheduling's."""
-    seed = int(np.random.default_rng().integers(1 << 30))
-    rng = np.random.default_rng(seed)
-    opts = dict(backend="cuda", max_num_seqs=32, max_model_len=512,
-                num_gpu_blocks_override=32 * 32 + 8)
-    sync = LLM(str(model_dir), async_scheduling=False, **opts)
-    prompts, params = _proc_workload(rng, 64, sync.engine.model_config.vocab_size,
-                                     late_stops=False)
-    keep = [i for i, p in enumerate(params) if not p.min_tokens]
-    prompts, params = [prompts[i] for i in keep], [params[i] for i in keep]
-    want = sync.generate(prompts, params)
-    del sync
+    seed, opts, prompts, params, want = _proc_want(model_dir, 64, min_tokens=False)
     llm = LLM(str(model_dir), async_scheduling=True, **opts)
     launched = _launches(llm)
     graphs0 = llm.engine.stats.graph_steps
