@@ -75,7 +75,7 @@ def test_which_mixed_steps_take_the_row_graphs() -> None:
 
     b = _mixed(rng, 4000, 1000, 64, [64])
     assert take(on, b)
-    assert not take(_fake(None), b)  # graphs off (eager, speculation, env)
+    assert not take(_fake(None), b)  # graphs off (eager, env)
     assert not take(on, _mixed(rng, 4000, 1000, 64, [65]))  # 129 tokens
     assert take(on, _mixed(rng, 4000, 1000, 0, [128]))  # a prompt chunk alone
     # plain decode steps replay the decode graphs; verify steps their own
@@ -95,8 +95,10 @@ def test_which_mixed_steps_take_the_row_graphs() -> None:
 
 
 def test_mixed_buckets_follow_the_config(tmp_path: Path) -> None:
-    """Row graphs exist with graphs on and no speculation, within the step buffers; the
-    buffers hold 128 rows then even at fewer sequences."""
+    """Row graphs exist with graphs on, within the step buffers; the buffers hold 128 rows
+    then even at fewer sequences. With speculation too (its prompt chunks and mixed steps run
+    as the plain engine's do, so its outputs can equal plain decoding's), the buffers holding
+    both the verify rows and the largest mixed bucket."""
     from engine.args import EngineArgs
     from engine.config import ModelConfig
     from engine.executor.cuda_model import MIXED_BUCKETS, Sizes, mixed_buckets
@@ -116,4 +118,13 @@ def test_mixed_buckets_follow_the_config(tmp_path: Path) -> None:
     ec = cfg(max_num_seqs=8, enforce_eager=True)
     assert Sizes.of(mc, ec).b_max == 8 and mixed_buckets(ec, Sizes.of(mc, ec)) == []
     ec = cfg(max_num_seqs=8, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert mixed_buckets(ec, Sizes.of(mc, ec)) == list(MIXED_BUCKETS)
+    assert Sizes.of(mc, ec).b_max == 128
+    # verify rows past the largest mixed bucket: 64 sequences x (15 + 1) within the budget
+    ec = cfg(max_num_seqs=64, max_num_batched_tokens=2048, speculative_config=(
+        '{"method": "ngram", "num_speculative_tokens": 15, "disable_by_batch_size": 65}'))
+    assert Sizes.of(mc, ec).b_max == 1024 and mixed_buckets(ec, Sizes.of(mc, ec)) == list(
+        MIXED_BUCKETS)
+    ec = cfg(max_num_seqs=8, enforce_eager=True,
+             speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert mixed_buckets(ec, Sizes.of(mc, ec)) == []

@@ -71,13 +71,13 @@ class Sizes:
         """``b_max``: max_num_seqs, or more with speculation: a verify step runs one decode row
         per token (``CudaExecutor.verify_rows``), up to (k + 1) rows per sequence of the
         ``disable_by_batch_size - 1`` that may speculate, within the step's token budget."""
-        b = ec.max_num_seqs
+        b0 = b = ec.max_num_seqs
         t = max(ec.max_num_batched_tokens, b)
         spec = ec.speculative_config
         if spec is not None:
-            seqs = min(b, spec.disable_by_batch_size - 1)
+            seqs = min(b0, spec.disable_by_batch_size - 1)
             b = max(b, min(t, seqs * (1 + spec.num_speculative_tokens)))
-        elif mixed_graphs_on(ec):  # a mixed step's graph runs one row per token
+        if mixed_graphs_on(ec):  # a mixed step's graph runs one row per token
             b = max(b, min(t, MIXED_BUCKETS[-1]))
         assert ec.max_model_len is not None
         return cls(t, b, math.ceil(ec.max_model_len / ec.block_size),
@@ -85,9 +85,13 @@ class Sizes:
 
 
 def mixed_graphs_on(ec: EngineConfig) -> bool:
-    """Whether mixed steps replay row graphs (``CudaExecutor.mixed_rows``): graphs on, no
-    speculation (its steps have their own row forms), ``CUTEINFER_MIXED_GRAPHS`` not 0."""
-    return not ec.enforce_eager and ec.speculative_config is None and envs.mixed_graphs()
+    """Whether mixed steps replay row graphs (``CudaExecutor.mixed_rows``): graphs on and
+    ``CUTEINFER_MIXED_GRAPHS`` not 0. With speculation too: its verify steps take their own
+    path first (``verify_rows``), and its other steps (prompt chunks, mixed steps) must run
+    as a plain engine runs them, or the prompt's forward differs in bits and speculative
+    outputs stop equaling plain decoding's (spec 3/5 and dflash 3/9 GPU tests failed that way
+    from v27, when only the plain engine replayed them: docs/perf.md v30)."""
+    return not ec.enforce_eager and envs.mixed_graphs()
 
 
 def mixed_buckets(ec: EngineConfig, sizes: Sizes) -> list[int]:
