@@ -159,6 +159,7 @@ def main() -> None:
     _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks", ev)
     _Timed(acc, "prepare", eng.processors, "prepare")
     _Timed(acc, "after_step", eng.processors, "after_step")
+    _Timed(acc, "start_early", eng.processors, "start_early")  # (the matchers' advance inside)
     # the hand-off to the mask thread (it waits until that thread holds the GIL; docs/perf.md
     # v25 item 4)
     from engine.step import ProcessorRows

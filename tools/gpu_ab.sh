@@ -7,7 +7,9 @@
 #       python3 -m tools.bench_offline --model /tmp/ck --backend cuda --out "$OUT/off_{tag}.json"
 # Each run starts in its tree's root with that tree first on PYTHONPATH (after the staged CuTe
 # DSL bundle, when there is one); "{tag}" in an argument becomes new1, base1, new2, ... Prints
-# the last TAIL (default 3) lines of each run under a header naming its tree and round.
+# the last TAIL (default 3) lines of each run under a header naming its tree and round. Run a module
+# (`python3 -m ...`), not a wrapper script: `python3 /path/x.py` puts x.py's directory first on
+# sys.path, so both rounds would import that tree's engine (docs/perf.md v31, call 6).
 set -uo pipefail
 source "$(dirname "$0")/gpu_lib.sh"
 cd "$(dirname "$0")/.."
