@@ -29,7 +29,12 @@ state ``counts i32[num_slots, V]``, ``prompt_bits / allowed_bits u32[num_slots, 
 ``counted / last i32[num_slots]``; per row ``flags u32``, ``slot i32``, ``steps u32``,
 ``grammar_row i32``, ``penalties f32[S, 3]`` (repetition, frequency, presence),
 ``sparse_start i32[S + 1]``; ``sparse_ids i32[K]``, ``sparse_vals f32[K]``.
-Grid ``(rows, 1, 1)``, 512 threads (process); ``(1, 1, 1)``, 256 threads (count).
+Grid ``(rows, chunks, 1)``, 512 threads (process): CTA (r, k) owns the k-th of ``chunks``
+equal column ranges of row r and runs every pass on it (its sparse entries too), so each
+element sees the same ops in the same order whatever ``chunks`` is (the results are the same
+bits). ``chunks`` 1 is the kernel of v12-v31; more spread a processed row over as many SMs
+(one CTA streams ~1.2 MB of a Qwen3 row at latency-bound speed). ``(1, 1, 1)``, 256 threads
+(count).
 Cost: a processed row is read and written once per dense pass (grammar; allowed/penalties),
 plus the penalty state of its slot (counts: as many bytes as the row).
 """
@@ -56,9 +61,9 @@ def _on(flags: Uint32, flag: int) -> cutlass.Boolean:
 
 
 class LogitsProcess:
-    """One CTA per sample row; see the module docstring."""
+    """``chunks`` CTAs per sample row; see the module docstring."""
 
-    def __init__(self, vocab: int, row_stride: int | None = None) -> None:
+    def __init__(self, vocab: int, row_stride: int | None = None, chunks: int = 1) -> None:
         self.vocab = vocab
         self.stride = vocab if row_stride is None else row_stride
         if not 0 < vocab <= self.stride:
@@ -69,6 +74,10 @@ class LogitsProcess:
         self.vec = 4 if vocab % 4 == 0 and self.stride % 4 == 0 else 1
         self.nvec = vocab // self.vec
         self.threads = 512
+        if chunks < 1:
+            raise ValueError(f"chunks={chunks}: need >= 1")
+        self.chunks = chunks
+        self.span = -(-self.nvec // chunks)  # vectors per CTA (the last one's range may be short)
 
     @cute.jit
     def __call__(self, logits: cute.Pointer, flags: cute.Pointer,
@@ -99,7 +108,7 @@ class LogitsProcess:
                                                            stride=(self.words, 1))),
             cute.make_tensor(allowed_bits, cute.make_layout((num_slots, self.words),
                                                             stride=(self.words, 1)))).launch(
-            grid=[num_rows, 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[num_rows, self.chunks, 1], block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mL: cute.Tensor, mFlags: cute.Tensor,
@@ -108,18 +117,22 @@ class LogitsProcess:
                mCounts: cute.Tensor, mCounted: cute.Tensor, mLast: cute.Tensor,
                mPrompt: cute.Tensor, mAllowed: cute.Tensor):
         tidx, _, _ = cute.arch.thread_idx()
-        r, _, _ = cute.arch.block_idx()
+        r, k, _ = cute.arch.block_idx()
+        lo = k * self.span  # this CTA's vectors of the row: [lo, hi)
+        hi = cutlass.min(lo + self.span, self.nvec)
         f = mFlags[r]
         if f != Uint32(0):
             if _on(f, FLAG_GRAMMAR):
-                self._grammar_pass(mL, mGMask, r, mGRow[r], tidx)
+                self._grammar_pass(mL, mGMask, r, mGRow[r], tidx, lo, hi)
                 cute.arch.sync_threads()
             if _on(f, FLAG_SPARSE):
                 for i in cutlass.range(mStart[r] + tidx, mStart[r + 1], self.threads, unroll=1):
                     t = mIds[i]
-                    v = mVals[i]
-                    x = mL[r, t // self.vec, t % self.vec]
-                    mL[r, t // self.vec, t % self.vec] = x + v  # -inf: banned
+                    c = t // self.vec
+                    if (c >= lo) & (c < hi):  # (another CTA's range: that CTA adds it)
+                        v = mVals[i]
+                        x = mL[r, c, t % self.vec]
+                        mL[r, c, t % self.vec] = x + v  # -inf: banned
                 cute.arch.sync_threads()
             if _on(f, FLAG_ALLOWED) | _on(f, FLAG_PENALTY):
                 s = mSlot[r]
@@ -127,13 +140,13 @@ class LogitsProcess:
                 if mCounted[s] == Int32(mStep[r]) + Int32(1):
                     excl = mLast[s]
                 self._dense_pass(mL, mCounts, mPrompt, mAllowed, r, s, f, excl, mPen[r, 0],
-                                 mPen[r, 1], mPen[r, 2], tidx)
+                                 mPen[r, 1], mPen[r, 2], tidx, lo, hi)
 
     @cute.jit
     def _grammar_pass(self, mL: cute.Tensor, mGMask: cute.Tensor, r: Int32, g: Int32,
-                      tidx: Int32):
+                      tidx: Int32, lo: Int32, hi: Int32):
         rV = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
-        for c in range(tidx, self.nvec, self.threads):
+        for c in range(lo + tidx, hi, self.threads):
             v = mL[r, c, None].load()
             w = Uint32(mGMask[g, (c * self.vec) // 32])
             for e in cutlass.range_constexpr(self.vec):
@@ -145,11 +158,12 @@ class LogitsProcess:
     @cute.jit
     def _dense_pass(self, mL: cute.Tensor, mCounts: cute.Tensor, mPrompt: cute.Tensor,
                     mAllowed: cute.Tensor, r: Int32, s: Int32, f: Uint32, excl: Int32,
-                    rep: Float32, freq: Float32, pres: Float32, tidx: Int32):
+                    rep: Float32, freq: Float32, pres: Float32, tidx: Int32, lo: Int32,
+                    hi: Int32):
         allowed = _on(f, FLAG_ALLOWED)
         pen = _on(f, FLAG_PENALTY)
         rV = cute.make_rmem_tensor(cute.make_layout(self.vec), Float32)
-        for c in range(tidx, self.nvec, self.threads):
+        for c in range(lo + tidx, hi, self.threads):
             v = mL[r, c, None].load()
             word = (c * self.vec) // 32
             aw = Uint32(0xFFFFFFFF)
@@ -270,13 +284,18 @@ class CountTokensLauncher:
                     int(num_slots), stream)
 
 
-def compile_logits_process(vocab: int, row_stride: int | None = None) -> LogitsProcessLauncher:
-    """Compile (once per (vocab, row_stride)) the processors over logits rows of
-    ``row_stride`` (default vocab) floats, ``vocab`` of them real."""
+def compile_logits_process(vocab: int, row_stride: int | None = None,
+                           chunks: int | None = None) -> LogitsProcessLauncher:
+    """Compile (once per (vocab, row_stride, chunks)) the processors over logits rows of
+    ``row_stride`` (default vocab) floats, ``vocab`` of them real; ``chunks`` CTAs a row
+    (default: ``CUTEINFER_LOGITS_CHUNKS``, else 1)."""
+    from engine import envs
+
     stride = vocab if row_stride is None else row_stride
+    n = envs.logits_chunks() if chunks is None else chunks
     return common.cached_compile(
-        ("logits_process", vocab, stride),
-        lambda: LogitsProcessLauncher(PROCESS.compile(LogitsProcess(vocab, stride))))
+        ("logits_process", vocab, stride, n),
+        lambda: LogitsProcessLauncher(PROCESS.compile(LogitsProcess(vocab, stride, n))))
 
 
 def compile_count_tokens(vocab: int) -> CountTokensLauncher:

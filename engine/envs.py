@@ -45,6 +45,13 @@ Each variable has a function here; the rest of the engine calls the function, ne
   a line each time a request passes an admission point (``engine/tracepoints.py``).
 - ``CUTEINFER_GRAMMAR_SHARDS``: lexers per grammar for structured output's token masks (default:
   one per mask thread; ``1``: one shared lexer, whose lock serializes the masks).
+- ``CUTEINFER_LOGITS_CHUNKS``: CTAs per processed logits row in the logits-processor kernel
+  (cutlass_kernels/logits_process.py; default ``1``, one CTA a row; the results are the same bits
+  for any count).
+- ``CUTEINFER_CUDA_SCHED``: how a host thread waits for the GPU (the primary context's schedule
+  flag, set before it is made): ``spin``, ``yield``, ``blocking`` (the thread sleeps), or unset /
+  ``auto`` (CUDA's heuristic: spin while the process has fewer contexts than CPUs). A spinning
+  wait takes a core from the grammar mask threads (docs/perf.md v31).
 """
 
 from __future__ import annotations
@@ -241,4 +248,27 @@ def grammar_shards() -> int | None:
         return None
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"CUTEINFER_GRAMMAR_SHARDS must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+CUDA_SCHED = ("auto", "spin", "yield", "blocking")
+
+
+def cuda_sched() -> str:
+    """``CUTEINFER_CUDA_SCHED``: one of ``CUDA_SCHED`` (default ``auto``)."""
+    value = os.environ.get("CUTEINFER_CUDA_SCHED", "").strip().lower() or "auto"
+    if value not in CUDA_SCHED:
+        raise ValueError(f"CUTEINFER_CUDA_SCHED must be one of {', '.join(CUDA_SCHED)}, "
+                         f"got {value!r}")
+    return value
+
+
+def logits_chunks() -> int:
+    """``CUTEINFER_LOGITS_CHUNKS``: CTAs per processed row of the logits-processor kernel, 1 to
+    64 (default 1)."""
+    value = os.environ.get("CUTEINFER_LOGITS_CHUNKS", "").strip()
+    if not value:
+        return 1
+    if not value.isdigit() or not 1 <= int(value) <= 64:
+        raise ValueError(f"CUTEINFER_LOGITS_CHUNKS must be an integer from 1 to 64, got {value!r}")
     return int(value)

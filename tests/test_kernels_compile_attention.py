@@ -348,6 +348,21 @@ def test_pdl_env_rejects(monkeypatch):
         envs.pdl_attention()
 
 
+def test_cuda_sched_env(monkeypatch):
+    """CUTEINFER_CUDA_SCHED: auto by default; spin / yield / blocking (any case); anything else
+    is refused naming the variable and the values it takes."""
+    from engine import envs
+
+    monkeypatch.delenv("CUTEINFER_CUDA_SCHED", raising=False)
+    assert envs.cuda_sched() == "auto"
+    for v in ("spin", "yield", "blocking", "auto"):
+        monkeypatch.setenv("CUTEINFER_CUDA_SCHED", f" {v.upper()} ")
+        assert envs.cuda_sched() == v
+    monkeypatch.setenv("CUTEINFER_CUDA_SCHED", "sleep")
+    with pytest.raises(ValueError, match="CUTEINFER_CUDA_SCHED must be one of auto, spin"):
+        envs.cuda_sched()
+
+
 def test_fuse_rope_env(monkeypatch):
     """CUTEINFER_FUSE_ROPE: on by default (v23); 0 turns it off; anything else is refused
     naming the variable."""

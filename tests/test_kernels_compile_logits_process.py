@@ -24,6 +24,24 @@ def test_padded_row_stride_compiles():
     assert launcher.kernel.op.vec == 1 and launcher.words == (49155 + 31) // 32
 
 
+@pytest.mark.parametrize("vocab,chunks", [(151936, 8), (999, 3), (1000, 64)])
+def test_chunked_rows_compile(vocab, chunks, monkeypatch):
+    """``chunks`` CTAs a row (CUTEINFER_LOGITS_CHUNKS): a kernel of its own per count, its
+    ranges cover the row (the last ones short or empty)."""
+    from cutlass_kernels.logits_process import compile_logits_process
+
+    launcher = compile_logits_process(vocab, chunks=chunks)
+    op = launcher.kernel.op
+    assert op.chunks == chunks and launcher is not compile_logits_process(vocab, chunks=1)
+    assert op.span == -(-op.nvec // chunks) and op.span * chunks >= op.nvec  # (k * span >=
+    # nvec: an empty range, that CTA only reads its row's flag)
+    monkeypatch.setenv("CUTEINFER_LOGITS_CHUNKS", str(chunks))
+    assert compile_logits_process(vocab) is launcher
+    monkeypatch.setenv("CUTEINFER_LOGITS_CHUNKS", "0")
+    with pytest.raises(ValueError, match="CUTEINFER_LOGITS_CHUNKS must be an integer from 1"):
+        compile_logits_process(vocab)
+
+
 class _Buf:
     def __init__(self, ptr: int, nbytes: int) -> None:
         self.ptr, self.nbytes = ptr, nbytes

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from engine import envs
+
 
 class CudaError(RuntimeError):
     """A CUDA driver call failed. The message names the call and the driver's error."""
@@ -85,6 +87,13 @@ class Context:
             raise NoGpuError(reason)
         cu = _cu()
         self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
+        sched = envs.cuda_sched()
+        if sched != "auto":  # (before the context is made; CUTEINFER_CUDA_SCHED)
+            flag = getattr(cu.CUctx_flags, {"spin": "CU_CTX_SCHED_SPIN", "yield":
+                                            "CU_CTX_SCHED_YIELD", "blocking":
+                                            "CU_CTX_SCHED_BLOCKING_SYNC"}[sched])
+            check(cu.cuDevicePrimaryCtxSetFlags(self.device, flag),
+                  f"cuDevicePrimaryCtxSetFlags (CUTEINFER_CUDA_SCHED={sched})")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         name = check(cu.cuDeviceGetName(128, self.device), "cuDeviceGetName")

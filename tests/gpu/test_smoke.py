@@ -34,3 +34,27 @@ def test_scale_kernel_roundtrip(cuda_ctx, stream):
     compiled(gmem_ptr("f32", a.ptr), gmem_ptr("f32", b.ptr), cutlass.Int32(n), stream.handle)
     stream.synchronize()
     np.testing.assert_array_equal(b.download(), 2 * x)
+
+
+def test_cuda_sched_sets_the_primary_context_flag(cuda_ctx):
+    """CUTEINFER_CUDA_SCHED=blocking: a fresh process's Context makes the primary context with
+    CU_CTX_SCHED_BLOCKING_SYNC (the default leaves CUDA's heuristic, CU_CTX_SCHED_AUTO)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from cuda.bindings import driver as cu\n"
+            "from engine.cuda.driver import Context\n"
+            "Context.get()\n"
+            "err, f = cu.cuCtxGetFlags()\n"
+            "print(int(f) & int(cu.CUctx_flags.CU_CTX_SCHED_MASK))\n")
+    got = {}
+    for sched in ("auto", "blocking", "yield"):
+        env = {**os.environ, "CUTEINFER_CUDA_SCHED": sched}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[sched] = int(out.stdout.strip().splitlines()[-1])
+    assert got == {"auto": int(cu.CUctx_flags.CU_CTX_SCHED_AUTO),
+                   "blocking": int(cu.CUctx_flags.CU_CTX_SCHED_BLOCKING_SYNC),
+                   "yield": int(cu.CUctx_flags.CU_CTX_SCHED_YIELD)}, got
