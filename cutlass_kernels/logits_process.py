@@ -48,6 +48,7 @@ from cuda.bindings import driver as cuda
 from cutlass import Float32, Int32, Uint32
 
 from cutlass_kernels._common import Ptr, Scalar, Signature
+from engine import envs
 
 FLAG_GRAMMAR, FLAG_SPARSE, FLAG_ALLOWED, FLAG_PENALTY = 1, 4, 8, 16  # engine/step.py's
 
@@ -289,8 +290,6 @@ def compile_logits_process(vocab: int, row_stride: int | None = None,
     """Compile (once per (vocab, row_stride, chunks)) the processors over logits rows of
     ``row_stride`` (default vocab) floats, ``vocab`` of them real; ``chunks`` CTAs a row
     (default: ``CUTEINFER_LOGITS_CHUNKS``, else 1)."""
-    from engine import envs
-
     stride = vocab if row_stride is None else row_stride
     n = envs.logits_chunks() if chunks is None else chunks
     return common.cached_compile(

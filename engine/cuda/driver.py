@@ -76,6 +76,9 @@ def gpu_usable() -> bool:
     return gpu_unavailable_reason() is None
 
 
+_SCHED_FLAG = {"blocking": "BLOCKING_SYNC"}  # CUTEINFER_CUDA_SCHED -> CU_CTX_SCHED_* (else upper)
+
+
 class Context:
     """The device's primary context, made current on this thread."""
 
@@ -89,9 +92,7 @@ class Context:
         self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
         sched = envs.cuda_sched()
         if sched != "auto":  # (before the context is made; CUTEINFER_CUDA_SCHED)
-            flag = getattr(cu.CUctx_flags, {"spin": "CU_CTX_SCHED_SPIN", "yield":
-                                            "CU_CTX_SCHED_YIELD", "blocking":
-                                            "CU_CTX_SCHED_BLOCKING_SYNC"}[sched])
+            flag = getattr(cu.CUctx_flags, f"CU_CTX_SCHED_{_SCHED_FLAG.get(sched, sched.upper())}")
             check(cu.cuDevicePrimaryCtxSetFlags(self.device, flag),
                   f"cuDevicePrimaryCtxSetFlags (CUTEINFER_CUDA_SCHED={sched})")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")

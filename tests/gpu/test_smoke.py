@@ -44,9 +44,9 @@ def test_cuda_sched_sets_the_primary_context_flag(cuda_ctx):
     import sys
 
     code = ("from cuda.bindings import driver as cu\n"
-            "from engine.cuda.driver import Context\n"
+            "from engine.cuda.driver import Context, check\n"
             "Context.get()\n"
-            "err, f = cu.cuCtxGetFlags()\n"
+            "f = check(cu.cuCtxGetFlags(), 'cuCtxGetFlags')\n"
             "print(int(f) & int(cu.CUctx_flags.CU_CTX_SCHED_MASK))\n")
     got = {}
     for sched in ("auto", "blocking", "yield"):
