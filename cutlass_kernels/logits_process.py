@@ -289,7 +289,7 @@ def compile_logits_process(vocab: int, row_stride: int | None = None,
                            chunks: int | None = None) -> LogitsProcessLauncher:
     """Compile (once per (vocab, row_stride, chunks)) the processors over logits rows of
     ``row_stride`` (default vocab) floats, ``vocab`` of them real; ``chunks`` CTAs a row
-    (default: ``CUTEINFER_LOGITS_CHUNKS``, else 1)."""
+    (default: ``CUTEINFER_LOGITS_CHUNKS``, else 8)."""
     stride = vocab if row_stride is None else row_stride
     n = envs.logits_chunks() if chunks is None else chunks
     return common.cached_compile(

@@ -46,8 +46,9 @@ Each variable has a function here; the rest of the engine calls the function, ne
 - ``CUTEINFER_GRAMMAR_SHARDS``: lexers per grammar for structured output's token masks (default:
   one per mask thread; ``1``: one shared lexer, whose lock serializes the masks).
 - ``CUTEINFER_LOGITS_CHUNKS``: CTAs per processed logits row in the logits-processor kernel
-  (cutlass_kernels/logits_process.py; default ``1``, one CTA a row; the results are the same bits
-  for any count).
+  (cutlass_kernels/logits_process.py; default ``8``: penalties on 16 of 64 rows at qwen3-0.6b cost
+  1.015-1.023x a step against 1.035-1.049x with one CTA a row, docs/perf.md v32; the results are
+  the same bits for any count).
 - ``CUTEINFER_CUDA_SCHED``: how a host thread waits for the GPU (the primary context's schedule
   flag, set before it is made): ``spin``, ``yield``, ``blocking`` (the thread sleeps), or unset /
   ``auto`` (CUDA's heuristic: spin while the process has fewer contexts than CPUs). A spinning
@@ -265,10 +266,10 @@ def cuda_sched() -> str:
 
 def logits_chunks() -> int:
     """``CUTEINFER_LOGITS_CHUNKS``: CTAs per processed row of the logits-processor kernel, 1 to
-    64 (default 1)."""
+    64 (default 8)."""
     value = os.environ.get("CUTEINFER_LOGITS_CHUNKS", "").strip()
     if not value:
-        return 1
+        return 8
     if not value.isdigit() or not 1 <= int(value) <= 64:
         raise ValueError(f"CUTEINFER_LOGITS_CHUNKS must be an integer from 1 to 64, got {value!r}")
     return int(value)

@@ -88,7 +88,7 @@ def test_logits_process_matches_numpy(cuda_ctx, stream, seed, vocab, rows):
     untouched = step.flags == 0
     assert np.array_equal(got[untouched].view(np.uint32), logits[untouched].view(np.uint32)), \
         f"{what}: a row without processors changed"
-    for chunks in (3, 8):  # CUTEINFER_LOGITS_CHUNKS: a row over several CTAs, the same bits
+    for chunks in (1, 3, 8):  # CUTEINFER_LOGITS_CHUNKS (default 8): CTAs a row, the same bits
 
         class KC:
             logits_process = compile_logits_process(vocab, chunks=chunks)
@@ -97,7 +97,7 @@ def test_logits_process_matches_numpy(cuda_ctx, stream, seed, vocab, rows):
         bufs.apply(KC, d_chunked, d_steps, rows, stream)
         stream.synchronize()
         assert np.array_equal(d_chunked.download().view(np.uint32), got.view(np.uint32)), \
-            f"{what}: {chunks} CTAs a row differ from one"
+            f"{what}: {chunks} CTAs a row differ from the default"
 
     # sample the processed rows (greedy and random) and count the tokens on the device
     temperature = rng.choice([0.0, 0.7, 1.0], rows).astype(np.float32)
