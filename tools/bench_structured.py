@@ -67,6 +67,21 @@ class _Timed:
         setattr(obj, name, timed)
 
 
+def host_loop_ms(repeats: int = 5) -> float:
+    """The best of ``repeats`` runs of a fixed pure-Python loop (dict updates), ms: the engine
+    thread's CPU speed at that moment. On the GPU hosts' shared vCPUs it varies up to ~1.8x
+    between vCPUs and runs (docs/perf.md v32 item 4), so a slow structured run whose loop is
+    slow too is the host, not the code."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        d: dict[int, int] = {}
+        for i in range(40000):
+            d[i & 1023] = d.get(i & 1023, 0) + i
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1e3, 3)
+
+
 def _run(eng, n: int, params_of, prompt_len: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     reqs = [eng.add_request(rng.integers(100, 20000, prompt_len).tolist(), params_of(i))
@@ -98,6 +113,7 @@ def _run(eng, n: int, params_of, prompt_len: int, steps: int) -> dict:
     # under async scheduling a call of step() completes the step before the one it launches,
     # and a call that only launches returns early: time per token is the measure
     return {"ms_per_token": elapsed / max(tokens, 1), "tokens": tokens,
+            "host_loop_ms": host_loop_ms(),
             "call_ms_p50": float(np.median(t)), "still_running": running,
             # per step: where the time went (executor.execute includes the GPU wait)
             **{f"{k}_ms": v / steps for k, v in acc.items()},
