@@ -50,8 +50,9 @@ def _executor(fused_max: dict[str, int] | None = None, rope_in_attention: bool =
         decode=rec("decode"), decode_rope=rec("decode_rope"), prefill=rec("prefill"),
         silu=rec("silu"),
         **{g: _Gemm(log, g, lim[g]) for g in ("qkv", "o", "gate_up", "down")})
-    names = ("input_ids", "input_src", "sampled", "resid", "delta", "h", "ones", "qkv", "positions", "slot_mapping",
-             "cos_sin", "q", "attn", "gate_up", "act", "page_indices", "context_lens",
+    names = ("input_ids", "input_src", "sampled", "resid", "delta", "h", "ones", "qkv",
+             "positions", "slot_mapping", "cos_sin", "q", "attn", "gate_up", "act",
+             "page_indices", "context_lens",
              "workspace", "cu_seqlens", "pre_cu_seqlens", "pre_context_lens",
              "pre_page_indices")
     e.buf = SimpleNamespace(**{n: n for n in names})
