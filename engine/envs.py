@@ -252,6 +252,13 @@ def grammar_shards() -> int | None:
     return int(value)
 
 
+def grammar_process() -> bool:
+    """``CUTEINFER_GRAMMAR_PROCESS``: structured output's matchers in a worker process of their
+    own (engine/structured/remote.py), off the engine thread and its GIL (default on; 0: in
+    the engine's process, with a mask thread)."""
+    return _flag("CUTEINFER_GRAMMAR_PROCESS", True)
+
+
 CUDA_SCHED = ("auto", "spin", "yield", "blocking")
 
 

@@ -23,10 +23,13 @@ What lives where:
 
 from __future__ import annotations
 
+import itertools
+import warnings
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from engine import envs
 from engine.request import RequestStatus
 from engine.step import (
     FLAG_ALLOWED,
@@ -40,6 +43,7 @@ from engine.step import (
 )
 from engine.structured.grammar import GrammarError
 from engine.structured.matcher import Advance, GrammarCache, StructuredRequest, bitmask_words
+from engine.structured.remote import OUTCOMES, GrammarWorker, Job, RemoteStructured
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -61,13 +65,53 @@ class EarlyMasks:
     ``rows``: id(StructuredRequest) -> its row of ``mask``. A request that the commit then
     finishes keeps its row, unused."""
 
-    __slots__ = ("advanced", "mask", "rows", "future")
+    __slots__ = ("advanced", "mask", "rows", "future", "job", "adv_reqs")
 
     def __init__(self, advanced: dict[int, tuple[Request, Advance]]) -> None:
         self.advanced = advanced
         self.mask: np.ndarray | None = None
         self.rows: dict[int, int] = {}
         self.future: Any = None
+        # the grammar worker's job (CUTEINFER_GRAMMAR_PROCESS): ``advanced`` comes from its
+        # outcomes, for ``adv_reqs`` in order (``outcomes``)
+        self.job: Job | None = None
+        self.adv_reqs: list[Request] = []
+
+    def outcomes(self) -> list[tuple[Request, Advance]]:
+        """The advanced requests and their outcomes (waiting for the worker's, if remote)."""
+        if self.job is None:
+            return list(self.advanced.values())
+        return _remote_outcomes(self.job, self.adv_reqs)
+
+
+def _worker_of(structured: list[RemoteStructured]) -> GrammarWorker:
+    """The worker holding these matchers (GrammarError: it died, so their states are gone)."""
+    w = structured[0].worker
+    if w.dead is not None or any(st.worker is not w for st in structured):
+        raise GrammarError(w.dead or "the grammar worker was restarted")
+    return w
+
+
+_ADVANCE = {name: Advance(name) for name in OUTCOMES}
+
+
+def _remote_outcomes(job: Job, reqs: list[Request]) -> list[tuple[Request, Advance]]:
+    """A worker job's advances of ``reqs``: their outcomes (every one ERROR, with the reason, when
+    the worker failed), llguidance's messages put on the requests' ``RemoteStructured``."""
+    try:
+        codes, errors = job.outcomes()
+    except GrammarError as e:
+        for req in reqs:
+            if req.procs is not None and req.procs.structured is not None:
+                req.procs.structured.error = str(e)
+        return [(req, Advance.ERROR) for req in reqs]
+    out = []
+    for i, req in enumerate(reqs):
+        res = _ADVANCE[OUTCOMES[codes[i]]]
+        if res is Advance.ERROR and req.procs is not None and req.procs.structured is not None:
+            req.procs.structured.error = errors.get(i, "")
+        out.append((req, res))
+    return out
 
 
 class ProcessorError(ValueError):
@@ -190,6 +234,8 @@ class RequestProcessors:
 
     def release(self) -> None:
         """The request finished (``Request.finish``): its slot and matcher go."""
+        if isinstance(self.structured, RemoteStructured):
+            self.structured.close()
         self.structured = None
         self.owner.pool.release(self)
         self.owner.live.discard(id(self))
@@ -234,6 +280,42 @@ class LogitsProcessorState:
         self.pool = SlotPool(num_slots)
         self.grammars = GrammarCache(tokenizer, vocab_size, eos_token_ids)
         self.live: set[int] = set()  # id() of the live RequestProcessors
+        # CUTEINFER_GRAMMAR_PROCESS: the matchers live in a worker process (started on the
+        # first constrained request; a fresh one after a worker died)
+        self.remote = envs.grammar_process()
+        self.worker: GrammarWorker | None = None
+        self._keys = itertools.count(1)
+        self.num_rows = num_slots
+        # the last steady step's rows (``prepare``): key, rows, arrays
+        self._steady: tuple | None = None
+
+    def _worker(self) -> GrammarWorker | None:
+        """The grammar worker (started now if none runs). None: the first one could not start
+        (no process can be spawned here): this engine's matchers stay in this process."""
+        w = self.worker
+        if w is None or w.dead is not None:
+            if w is not None:
+                w.close()
+            g = self.grammars
+            g.ll_tokenizer()  # (GrammarError without a tokenizer)
+            try:
+                w = GrammarWorker(g.tokenizer.backend_tokenizer.to_str(),  # type: ignore
+                                  self.vocab_size, g.eos, self.num_rows, g.threads)
+            except OSError as e:
+                if self.worker is not None:  # (its requests are failing: no mixing modes)
+                    raise GrammarError(f"the grammar worker could not restart: {e}") from None
+                warnings.warn(f"cuteinfer: the grammar worker process could not start ({e}); "
+                              "structured output runs in this process", stacklevel=2)
+                self.remote = False
+                return None
+            self.worker = w
+        return w
+
+    def close(self) -> None:
+        """Stop the grammar worker, if one runs."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
 
     @property
     def active(self) -> bool:
@@ -248,8 +330,17 @@ class LogitsProcessorState:
         check_params(p, self.vocab_size, self.tokenizer)
         structured = None
         if p.structured_outputs is not None:
+            text = p.structured_outputs.grammar_text
             try:
-                structured = self.grammars.matcher(p.structured_outputs.grammar_text)
+                w = None
+                if self.remote:
+                    self.grammars.check(text)
+                    w = self._worker()
+                if w is not None:
+                    structured = RemoteStructured(next(self._keys), w)
+                    w.add(structured.key, text)
+                else:
+                    structured = self.grammars.matcher(text)
             except GrammarError as e:
                 raise ProcessorError(f"structured_outputs: {e}") from None
         bad = bad_word_ids(p.bad_words, self.tokenizer) if p.bad_words else []  # type: ignore
@@ -266,6 +357,8 @@ class LogitsProcessorState:
         (``submit``), so they compute while the commit runs. None when no row is
         constrained. ``after_step(..., early=)`` then applies the advances; ``prepare(...,
         early=)`` takes the masks."""
+        if self.remote:
+            return self._start_early_remote(done, sampled, sample_reqs)
         finished = RequestStatus.FINISHED
         advanced: dict[int, tuple[Request, Advance]] = {}
         for row, sr in enumerate(done.seqs):
@@ -298,12 +391,64 @@ class LogitsProcessorState:
             early.mask = mask
         return early
 
+    def _start_early_remote(self, done: SchedulerOutput, sampled: np.ndarray,
+                            sample_reqs: Sequence[Request]) -> EarlyMasks | None:
+        """``start_early`` with the matchers in the worker: one job advances ``done``'s rows and
+        masks the next step's (the worker leaves out a row whose advance did not continue)."""
+        finished = RequestStatus.FINISHED
+        adv_reqs: list[Request] = []
+        keys: list[int] = []
+        toks: list[int] = []
+        for row, sr in enumerate(done.seqs):
+            req = sr.request
+            rp = req.procs
+            if rp is None or not sr.sample or rp.structured is None or req.status == finished:
+                continue
+            adv_reqs.append(req)
+            keys.append(rp.structured.key)
+            toks.append(int(sampled[row]))
+        structured = [req.procs.structured for req in sample_reqs
+                      if req.procs is not None and req.procs.structured is not None
+                      and req.status != finished]
+        if not adv_reqs and not structured:
+            return None
+        early = EarlyMasks({})
+        early.adv_reqs = adv_reqs
+        try:
+            job = _worker_of([r.procs.structured for r in adv_reqs] + structured).submit(
+                keys, toks, [st.key for st in structured])
+        except GrammarError as e:  # (the worker is gone: these requests fail in after_step)
+            for req in adv_reqs:
+                req.procs.structured.error = str(e)
+            early.advanced = {id(r): (r, Advance.ERROR) for r in adv_reqs}
+            return early
+        early.job = job
+        if structured:
+            early.mask, early.future = job.mask, job
+            early.rows = {id(st): k for k, st in enumerate(structured)}
+        return early
+
     def prepare(self, sample_reqs: Sequence[Request],
                 early: EarlyMasks | None = None) -> ProcessorRows | None:
         """The step's rows (one per sample row, in order), or None when none has a processor.
         A request already finished (async scheduling: by the step before this one, whose row
         here is dropped) samples unconstrained. ``early``: the masks ``start_early`` started
-        for these rows (a constrained row it lacks: they are computed here instead)."""
+        for these rows (a constrained row it lacks: they are computed here instead).
+
+        A steady batch (the same requests in the same rows, none finished, every row's slot
+        held and its sparse list fixed) reuses the previous step's rows (``_steady``): only the
+        grammar masks are new. Those rows' arrays are read-only."""
+        key = list(map(id, sample_reqs))
+        c = self._steady
+        if c is not None and c[0] == key and self._steady_holds(c[1]):
+            _key, _have, flags, slot, pen, grow0, structured, sparse = c
+            grow = grow0.copy()
+            mask, fill, future = self._masks(structured, grow, early)
+            return ProcessorRows(flags=flags, slot=slot, penalties=pen, grammar_row=grow,
+                                 grammar_mask=mask, sparse_start=sparse[0],
+                                 sparse_ids=sparse[1], sparse_vals=sparse[2], inits=[],
+                                 fill=fill, future=future)
+        self._steady = None
         finished = RequestStatus.FINISHED
         # the rows with processors (a few of the step's, usually)
         have = [(i, r, r.procs) for i, r in enumerate(sample_reqs)
@@ -322,6 +467,7 @@ class LogitsProcessorState:
         structured: list[StructuredRequest] = []
         inits: list[SlotInit] = []
         in_step = {rp.slot for _i, _r, rp in have if rp.slot is not None}
+        steady = True  # every row's sparse list fixed, no slot (re)built
         for i, req, rp in have:
             f = 0
             if rp.structured is not None:
@@ -332,12 +478,14 @@ class LogitsProcessorState:
                 if rp.slot is None:
                     in_step.add(self.pool.acquire(rp, in_step))
                     inits.append(rp.slot_init(v))
+                    steady = False
                 slot[i] = rp.slot
                 if rp.allowed is not None:
                     f |= FLAG_ALLOWED
                 if rp.has_penalties:
                     f |= FLAG_PENALTY
                     pen[i] = rp.penalties
+            steady = steady and rp._static is not None
             si, sv = rp.sparse()
             if si.size:
                 f |= FLAG_SPARSE
@@ -347,6 +495,35 @@ class LogitsProcessorState:
             if f & ~FLAG_GRAMMAR and req.params.logprobs is not None:
                 f |= FLAG_SAVE_RAW  # its logprobs are of the row before these processors
             flags[i] = f
+        sparse = (np.cumsum(counts, dtype=np.int32),
+                  np.concatenate(ids) if ids else np.zeros(0, np.int32),
+                  np.concatenate(vals) if vals else np.zeros(0, np.float32))
+        if steady:  # (strong references in ``have``: no id in ``key`` is reused meanwhile)
+            snap = [(r, rp, rp.slot, rp.structured) for _i, r, rp in have]
+            for a in (flags, slot, pen, *sparse):
+                a.flags.writeable = False
+            self._steady = (key, snap, flags, slot, pen, grow.copy(), structured, sparse)
+        mask, fill, future = self._masks(structured, grow, early)
+        return ProcessorRows(
+            flags=flags, slot=slot, penalties=pen, grammar_row=grow, grammar_mask=mask,
+            sparse_start=sparse[0], sparse_ids=sparse[1], sparse_vals=sparse[2],
+            inits=inits, fill=fill, future=future)
+
+    @staticmethod
+    def _steady_holds(snap: list) -> bool:
+        """The rows of ``snap`` are still what they were: running, their slot and matcher the
+        same."""
+        finished = RequestStatus.FINISHED
+        for r, rp, slot, st in snap:
+            if r.status == finished or r.procs is not rp or rp.slot != slot \
+                    or rp.structured is not st:
+                return False
+        return True
+
+    def _masks(self, structured: list, grow: np.ndarray, early: EarlyMasks | None
+               ) -> tuple[np.ndarray, Callable[[], None] | None, Any]:
+        """The grammar masks of rows ``structured`` (``grow``: their rows, remapped in place
+        onto an early start's): (mask, fill, future)."""
         fill = future = None
         if (structured and early is not None and early.mask is not None
                 and all(id(st) in early.rows for st in structured)):
@@ -357,18 +534,19 @@ class LogitsProcessorState:
             if early is not None and early.future is not None:
                 early.future.exception()  # (not used: let the mask thread finish it first)
             mask = np.empty((len(structured), self.words), np.uint32)
-            if structured:  # computed by the executor (ProcessorRows.fill_masks), maybe
+            if structured and self.remote:  # the worker starts them now
+                try:
+                    job = _worker_of(structured).submit([], [], [st.key for st in structured])
+                    mask, future = job.mask, job
+                except GrammarError:  # the worker died: these rows run unconstrained, and
+                    mask[:] = 0xFFFFFFFF  # the step's advance finishes their requests (error)
+            elif structured:  # computed by the executor (ProcessorRows.fill_masks), maybe
                 grammars = self.grammars  # overlapped
 
                 def fill() -> None:
                     grammars.fill_bitmasks(structured, mask)
 
-        return ProcessorRows(
-            flags=flags, slot=slot, penalties=pen, grammar_row=grow, grammar_mask=mask,
-            sparse_start=np.cumsum(counts, dtype=np.int32),
-            sparse_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32),
-            sparse_vals=np.concatenate(vals) if vals else np.zeros(0, np.float32),
-            inits=inits, fill=fill, future=future)
+        return mask, fill, future
 
     def step_failed(self, out: SchedulerOutput) -> None:
         """A step that did not run may have lost its slot inits: its requests' slots are
@@ -389,17 +567,17 @@ class LogitsProcessorState:
             return
         finished = RequestStatus.FINISHED
         if early is not None:
-            done = [(req, res) for req, res in early.advanced.values()
-                    if req.status != finished]
+            done = [(req, res) for req, res in early.outcomes() if req.status != finished]
         else:
-            done = []
-            for sr in out.seqs:
-                req = sr.request
-                rp = req.procs
-                if (rp is None or not sr.sample or rp.structured is None
-                        or req.status == finished):
-                    continue
-                done.append((req, rp.structured.accept(req.output_token_ids[-1])))
+            reqs = [sr.request for sr in out.seqs
+                    if sr.sample and sr.request.procs is not None
+                    and sr.request.procs.structured is not None
+                    and sr.request.status != finished]
+            if self.remote:
+                done = self._advance_remote(reqs) if reqs else []
+            else:
+                done = [(req, req.procs.structured.accept(req.output_token_ids[-1]))
+                        for req in reqs]
         for req, res in done:
             rp = req.procs
             if res is Advance.DONE:
@@ -407,3 +585,15 @@ class LogitsProcessorState:
             elif res is Advance.ERROR:
                 finish(req, error, error=f"structured output: the grammar cannot continue "
                                          f"({rp.structured.error})")
+
+    def _advance_remote(self, reqs: list[Request]) -> list[tuple[Request, Advance]]:
+        """Advance ``reqs``' matchers in the worker by their last tokens (and wait)."""
+        try:
+            job = _worker_of([r.procs.structured for r in reqs]).submit(
+                [r.procs.structured.key for r in reqs],
+                                        [r.output_token_ids[-1] for r in reqs], [])
+        except GrammarError as e:
+            for r in reqs:
+                r.procs.structured.error = str(e)
+            return [(r, Advance.ERROR) for r in reqs]
+        return _remote_outcomes(job, reqs)

@@ -145,6 +145,57 @@ def test_slots_are_taken_over_and_rebuilt() -> None:
     assert slots.counted[c.inits[0].slot] == 3
 
 
+def test_steady_rows_are_reused_only_while_they_hold() -> None:
+    """``prepare`` over the same requests reuses the previous step's rows (the same arrays,
+    read-only); random events between steps (a request finished, a slot taken over by a request
+    outside the step, a failed step releasing slots, a request with a per-step sparse list, a
+    different batch) make it rebuild. Every step's rows equal rows built from scratch."""
+    from engine.request import RequestStatus
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    vocab = 64
+    state = LogitsProcessorState(None, vocab, (), num_slots=6)
+    kinds = [dict(frequency_penalty=0.5), dict(logit_bias={3: 1.0}), dict(),
+             dict(allowed_token_ids=[1, 2, 5]), dict(repetition_penalty=1.3, logprobs=2),
+             dict(min_tokens=4, stop_token_ids=[7]), dict(bad_words=None)]
+    reqs = []
+    for i in range(10):
+        kw = kinds[int(rng.integers(len(kinds)))] if i else kinds[0]
+        r = _request(i, [i, 1], [2] * int(rng.integers(0, 6)), SamplingParams(**kw))
+        state.attach(r)
+        reqs.append(r)
+    step = list(reqs[:5])
+    reused = 0
+    for t in range(60):
+        ev = rng.random()
+        if ev < 0.1:  # finish one
+            r = step[int(rng.integers(len(step)))]
+            r.status = RequestStatus.FINISHED
+        elif ev < 0.2:  # a request outside the step takes slots
+            state.prepare([r for r in reqs if r not in step][:3])
+        elif ev < 0.25:
+            state.step_failed(type("O", (), {"seqs": [type("S", (), {"request": r})()
+                                                      for r in step]})())
+        elif ev < 0.35:  # another batch
+            step = [reqs[int(k)] for k in rng.choice(10, int(rng.integers(1, 7)), False)]
+        prev = state._steady
+        got = state.prepare(step)
+        if got is None:
+            continue
+        if prev is not None and state._steady is prev:
+            reused += 1
+            assert got.flags is prev[2] and not got.flags.flags.writeable and not got.inits
+        state._steady = None
+        want = state.prepare(step)
+        assert not want.inits, seed  # (got's step acquired the slots)
+        for f in ("flags", "slot", "penalties", "grammar_row", "sparse_start", "sparse_ids",
+                  "sparse_vals"):
+            np.testing.assert_array_equal(getattr(got, f), getattr(want, f),
+                                          err_msg=f"seed {seed} step {t} {f}")
+    assert reused >= 5, (seed, reused)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": float("nan")}, "frequency_penalty"),
@@ -262,9 +313,19 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "pet": {"enum": ["cat", "dog", "fish"]}}}
 
 
-@pytest.fixture(scope="module")
-def chat(chat_dir: Path) -> LLM:
-    return LLM(model=str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=8)
+@pytest.fixture(scope="module", params=["in-process", "worker"])
+def chat(chat_dir: Path, request: pytest.FixtureRequest) -> LLM:
+    """The chat checkpoint's engine, its matchers in this process or in the grammar worker
+    process (``CUTEINFER_GRAMMAR_PROCESS``)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("CUTEINFER_GRAMMAR_PROCESS", "1" if request.param == "worker" else "0")
+    try:
+        llm = LLM(model=str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=8)
+    finally:
+        mp.undo()
+    assert llm.engine.processors.remote == (request.param == "worker")
+    yield llm
+    llm.engine.processors.close()
 
 
 def _valid(obj: object) -> bool:
@@ -341,7 +402,9 @@ def test_prepare_takes_early_masks_and_computes_what_they_lack(chat: LLM) -> Non
         # an early start that lacks a constrained row of the step: computed here instead
         part = procs.start_early(_Out([]), np.zeros(0, np.int32), reqs[:1], pool.submit)
         got = procs.prepare(reqs, part)
-        assert got.grammar_mask is not part.mask and got.fill is not None
+        # (computed by ``fill``; the worker's: a job started now)
+        assert got.grammar_mask is not part.mask
+        assert (got.future if procs.remote else got.fill) is not None
         got.fill_masks()
         np.testing.assert_array_equal(got.grammar_mask[got.grammar_row[got.grammar_row >= 0]],
                                       want_rows)

@@ -181,6 +181,12 @@ def main() -> None:
     from engine.step import ProcessorRows
 
     _Timed(acc, "fill_async", ProcessorRows, "fill_async")
+    # CUTEINFER_GRAMMAR_PROCESS=1: the engine thread's waits for the grammar worker's outcomes
+    # (``after_step``) and masks (``launch_procs``)
+    from engine.structured.remote import Job
+
+    _Timed(acc, "worker_outcomes", Job, "outcomes")
+    _Timed(acc, "worker_masks", Job, "result")
     _Timed(acc, "update", eng.scheduler, "update_from_output")
     _Timed(acc, "schedule", eng.scheduler, "schedule_continuation")
     _Timed(acc, "build", eng, "_build")
@@ -206,7 +212,7 @@ def main() -> None:
     _run(eng, a.batch, plain, a.prompt_len, 10)  # warm: graphs, the grammar tokenizer
     _run(eng, a.batch, constrained, a.prompt_len, 10)
     res = {"batch": a.batch, "constrained": a.constrained, "schema": a.schema,
-           "core_only": a.core_only}
+           "core_only": a.core_only, "grammar_process": eng.processors.remote}
     for name, fn in (("plain", plain), ("structured", constrained), ("penalties", penalized),
                      ("plain_again", plain)):
         res[name] = _run(eng, a.batch, fn, a.prompt_len, a.steps)

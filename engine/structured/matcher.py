@@ -109,6 +109,20 @@ class GrammarCache:
             self._ll_tok = _ll_tokenizer(tk.to_str(), self.vocab_size, self.eos)
         return self._ll_tok
 
+    def check(self, grammar: str) -> None:
+        """GrammarError if ``grammar`` does not compile (compiled once, cached as ``matcher``
+        caches it; no matcher is made)."""
+        with self._lock:
+            if grammar in self._templates:
+                self._templates.move_to_end(grammar)
+                return
+            tpl, dt = self._compile(grammar)
+            if tpl.is_error():
+                raise GrammarError(tpl.get_error())
+            self._templates[grammar] = _Shards(tpl, dt)
+            if len(self._templates) > MAX_CACHED_GRAMMARS:
+                self._templates.popitem(last=False)
+
     def matcher(self, grammar: str) -> StructuredRequest:
         """A fresh matcher of ``grammar``, a copy of its least loaded shard (a new shard is
         compiled while every one has live requests, up to ``max_shards``). GrammarError if the

