@@ -61,6 +61,7 @@ class ProcessorBuffers:
         self.flags.fill_bytes(0, stream)
         self.counted.fill_bytes(0, stream)
         self.clear = True  # flags all zero: a step without processors uploads nothing
+        self._last_rows: tuple | None = None  # the steady rows on the device (``_same_rows``)
         # the grammar masks go up from pinned memory, double-buffered: a pageable copy this
         # size (rows x V/8 bytes) blocks the host until the stream reaches it, which would
         # serialize the host with the forward it overlaps (async scheduling)
@@ -88,7 +89,13 @@ class ProcessorBuffers:
         for init in rows.inits:
             self._init_slot(init, stream)
         pad = num_rows - n
-        self._upload_rows(rows, max(pad, 0), k, stream)
+        if not self._same_rows(rows, pad):
+            self._last_rows = None
+            self._upload_rows(rows, max(pad, 0), k, stream)
+            if not rows.flags.flags.writeable:  # (steady rows: the next step may reuse them)
+                self._last_rows = ((rows.flags, rows.slot, rows.penalties, rows.sparse_start,
+                                    rows.sparse_ids, rows.sparse_vals), pad,
+                                   rows.grammar_row.copy())
         self.clear = False
         # the grammar masks last: the rows above go up while the mask threads finish
         rows.fill_masks()  # (computes them, or waits for fill_async's)
@@ -97,6 +104,17 @@ class ProcessorBuffers:
         if (rows.flags & FLAG_SAVE_RAW).any():
             self.grammar_flags = np.concatenate([rows.flags & FLAG_GRAMMAR,
                                                  np.zeros(max(pad, 0), np.uint32)])
+
+    def _same_rows(self, rows: ProcessorRows, pad: int) -> bool:
+        """Whether the device holds ``rows`` already: a steady batch's rows are the previous
+        step's read-only arrays (``LogitsProcessorState.prepare``), so the same objects, the
+        same grammar rows and padding, and no upload of other rows since, need no copy."""
+        last = self._last_rows
+        arrays = (rows.flags, rows.slot, rows.penalties, rows.sparse_start, rows.sparse_ids,
+                  rows.sparse_vals)
+        return (last is not None and not self.clear and not rows.inits and last[1] == pad
+                and all(a is b for a, b in zip(arrays, last[0], strict=True))
+                and np.array_equal(rows.grammar_row, last[2]))
 
     def _upload_rows(self, rows: ProcessorRows, pad: int, k: int, stream: Stream) -> None:
         """flags (+ ``pad`` zero rows), slot, penalties, grammar_row, sparse_start and the
@@ -198,5 +216,6 @@ class ProcessorBuffers:
             return
         kernels.lm_head(rows, lm_head, logits, num_rows, stream)
         self.flags.upload(self.grammar_flags, stream)
+        self._last_rows = None  # (the flags on the device are these now)
         self.apply(kernels, logits, steps, num_rows, stream)
         self.grammar_flags = None
