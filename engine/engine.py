@@ -59,6 +59,28 @@ def _failure(e: Exception) -> tuple[set[int] | None, str]:
 
 
 @dataclass
+class _Gate:
+    """What ``launch_gated`` needs of the grammar worker's gate (engine/structured/remote.py):
+    ``region`` (host address, bytes, the rows' address, the flag's address), the step's
+    sequence number and its grammar rows."""
+
+    region: tuple[int, int, int, int]
+    seq: int
+    rows: int
+
+
+class _GatedRows:
+    """``build_batch``'s processors for a gated step: rows without masks."""
+
+    def __init__(self, procs: LogitsProcessorState) -> None:
+        self.procs = procs
+        self.active = procs.active
+
+    def prepare(self, sample_reqs: Sequence[Request]) -> Any:
+        return self.procs.prepare(sample_reqs, masks=False)
+
+
+@dataclass
 class _Later:
     """A deferred step in flight: its forward launched (``handle``), its processor rows built
     (``procs``, grammar masks maybe still computing) or the error that building them raised;
@@ -184,6 +206,9 @@ class LLMEngine(OutputViews):
         self.async_scheduling = bool(cfg.async_scheduling)
         self._pending: tuple[SchedulerOutput, Any, Any] | None = None
         self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks of deferred steps
+        self._gate_on = envs.grammar_gate()
+        self._gate: tuple | None = None  # a gated step's gate until a job will open it
+        self._gate_job: Any = None  # the job that opens the gate of the gated step in flight
         trace = envs.step_trace_path()  # one line per step (CUTEINFER_STEP_TRACE), or None
         self._trace = None if trace is None else open(trace, "a", buffering=1 << 16)  # noqa: SIM115
         self._marks: list[float] = []
@@ -262,16 +287,18 @@ class LLMEngine(OutputViews):
         batch, failure = self._build(out)
         return (None, failure) if failure is not None else self._start(batch, src_rows)
 
-    def _build(self, out: SchedulerOutput, deferred: bool = False
+    def _build(self, out: SchedulerOutput, deferred: bool = False, gated: bool = False
                ) -> tuple[Any, tuple[set[int] | None, str] | None]:
         """(the step's StepBatch, None) or (None, failure). ``deferred``: without its logits
-        processors (they come later: ``_Later``)."""
+        processors (they come later: ``_Later``); ``gated``: with them, their grammar masks
+        to come (``_start_gated``)."""
         if out.error is not None:
             return None, (None, out.error)
         try:
             if self.fault_hook is not None:
                 self.fault_hook(out)
-            batch = build_batch(out, None if deferred else self.processors)
+            batch = build_batch(out, None if deferred else (
+                _GatedRows(self.processors) if gated else self.processors))
             self._mark()
             return batch, None
         except Exception as e:  # fail this step's requests (or rows) only; keep serving
@@ -322,21 +349,23 @@ class LLMEngine(OutputViews):
         nxt = (self.scheduler.schedule_continuation(out, procs=defer) if failure is None
                else None)
         self._mark()
-        deferred, batch, bad = False, None, None
+        deferred, gated, batch, bad = False, False, None, None
         if nxt is not None:
             # only rows that depend on out's tokens wait for them (grammar masks, bad words,
             # min_tokens); penalties, logit_bias and allowed ids ride the whole decode graph
             deferred = self.processors.active and any(
                 s.request.procs is not None and not s.request.procs.known_ahead()
                 for s in nxt.seqs)
-            batch, bad = self._build(nxt, deferred)
+            # grammar masks alone: launched whole, the device waiting for them (gated)
+            gated = deferred and self._gateable(nxt)
+            batch, bad = self._build(nxt, deferred and not gated, gated)
         launched = None
         if nxt is not None:
             row = {id(s.request): i for i, s in enumerate(out.seqs)}
             src = np.array([row[id(s.request)] for s in nxt.seqs], np.int64)
             if bad is not None:
                 launched = (None, bad)
-            elif deferred and isinstance(handle, _Later):
+            elif deferred and not gated and isinstance(handle, _Later):
                 # before out's sampling: the executor stages the next forward and starts it
                 # right behind out's tail (``launch_procs``), not after this host's work
                 launched = self._start(batch, src, deferred)
@@ -348,22 +377,41 @@ class LLMEngine(OutputViews):
                 self.scheduler.fail_step(nxt, set(), "the step before it failed")
                 nxt = None
         if nxt is not None and launched is None:
-            launched = self._start(batch, src, deferred)
+            if gated and self.executor.can_gate(batch):
+                launched = self._start_gated(batch, src)
+            else:
+                if gated:  # (its bucket has no heads / tail graphs yet): deferred instead
+                    gated, batch.procs = False, None
+                launched = self._start(batch, src, deferred)
+        if self._gate_job is not None:
+            # out was launched gated: its masks must be written (or its gate opened, should
+            # the worker have died meanwhile) before this thread waits for it
+            self._gate_job.exception()
+            self._gate_job = None
         step, failure = self._finish(handle, failure)
         if failure is not None and nxt is not None:
             # the next step's inputs are not valid: discard it, give its slots back first
+            self._open_gate()
             self._finish(*launched)
             self.scheduler.fail_step(nxt, set(), "the step before it failed")
             nxt = None
         later: list[_Later] = []
         then = early = None
-        if nxt is not None and deferred and launched[1] is None:
+        if nxt is not None and gated and launched[1] is None:
+            # out's matchers advance and nxt's masks compute in the worker, which then opens
+            # the gate the device waits on
+            early = self._start_early(out, step, nxt, self._gate)
+            if early is not None and early.job is not None and early.job.gate:
+                self._gate = None  # (the job opens it, or fails and opens it)
+                self._gate_job = early.job
+        elif nxt is not None and deferred and launched[1] is None:
             # nxt's grammar masks start now, from out's samples, and compute while out's
             # outputs are committed (the commit's finishes are applied to the matchers after it)
             early = self._start_early(out, step, nxt)
 
             def then() -> None:  # after out's tokens advanced the matchers, before its outputs
                 later.append(self._prepare_later(nxt, launched[0], early))
+        self._open_gate()  # (a gated step whose job was not sent runs unmasked: never waits)
         changed = self._complete(out, step, failure, finished=True, then=then, early=early)
         if nxt is not None:
             if later:
@@ -377,14 +425,52 @@ class LLMEngine(OutputViews):
         return self._mask_pool.submit
 
     def _start_early(self, done: SchedulerOutput, step: StepOutput | None,
-                     nxt: SchedulerOutput) -> EarlyMasks | None:
+                     nxt: SchedulerOutput, gate: tuple | None = None) -> EarlyMasks | None:
         """``start_early``: ``done``'s matchers advanced and ``nxt``'s masks started before
         ``done``'s outputs are committed. None (the usual path in ``_complete``) when ``done``
-        failed."""
+        failed. ``gate``: nxt was launched gated (``_start_gated``)."""
         if step is None or step.sampled.shape[0] < len(done.seqs):
             return None
-        return self.processors.start_early(done, step.sampled, [s.request for s in nxt.seqs],
-                                           self._mask_submit())
+        return self.processors.start_early(
+            done, step.sampled, [s.request for s in nxt.seqs], self._mask_submit(),
+            None if gate is None else (gate[1], gate[3]))
+
+    # -- gated steps (CUTEINFER_GRAMMAR_GATE) ------------------------------------------------
+    def _gateable(self, nxt: SchedulerOutput) -> bool:
+        """Whether ``nxt`` can be launched gated: the grammar worker runs, the executor can
+        wait for its masks on the device, and every row that is not known ahead has only its
+        grammar mask late."""
+        p = self.processors
+        if not (self._gate_on and p.remote and p.worker is not None and p.worker.dead is None
+                and hasattr(self.executor, "launch_gated")):
+            return False
+        return all(s.request.procs is None or s.request.procs.known_ahead()
+                   or s.request.procs.gated_ahead() for s in nxt.seqs)
+
+    def _start_gated(self, batch: Any, src_rows: np.ndarray
+                     ) -> tuple[Any, tuple[set[int] | None, str] | None]:
+        """Launch a gated step (``launch_gated``): ``self._gate`` = (worker, sequence, rows,
+        keys) until a job that opens it is sent (``_open_gate`` otherwise)."""
+        keys = batch.procs.grammar_keys or []
+        w = self.processors.worker
+        seq = w.next_gate()
+        self._gate = (w, seq, len(keys), keys)
+        gate = _Gate(w.gate_region, seq, len(keys))
+        try:
+            handle = self.executor.launch_gated(batch, src_rows, gate)
+            self._mark()
+            return handle, None
+        except Exception as e:  # fail this step's requests (or rows) only; keep serving
+            self._open_gate()
+            return None, _failure(e)
+
+    def _open_gate(self) -> None:
+        """Release a gated step no job will release: its grammar rows run unmasked (their
+        requests' advance then judges the tokens)."""
+        if self._gate is not None:
+            w, seq, rows, _keys = self._gate
+            self._gate = None
+            w.open_gate(seq, rows)
 
     def _prepare_later(self, out: SchedulerOutput, handle: Any,
                        early: EarlyMasks | None = None) -> _Later:

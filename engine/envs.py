@@ -259,6 +259,13 @@ def grammar_process() -> bool:
     return _flag("CUTEINFER_GRAMMAR_PROCESS", True)
 
 
+def grammar_gate() -> bool:
+    """``CUTEINFER_GRAMMAR_GATE``: a decode continuation whose only late rows are grammar rows
+    is launched whole, the device waiting for the grammar worker's masks on a flag in host
+    memory (``CudaExecutor.launch_gated``; default off)."""
+    return _flag("CUTEINFER_GRAMMAR_GATE", False)
+
+
 CUDA_SCHED = ("auto", "spin", "yield", "blocking")
 
 

@@ -226,6 +226,12 @@ class RequestProcessors:
                 and len(self.request.output_token_ids) >= self.min_tokens
                 and (self.slot is not None or not self.needs_slot))
 
+    def gated_ahead(self) -> bool:
+        """Whether only the grammar mask of this request's next row waits for the token in
+        flight (the rest as ``known_ahead``): such a row can be launched gated."""
+        return (not self.bad_multi and len(self.request.output_token_ids) >= self.min_tokens
+                and (self.slot is not None or not self.needs_slot))
+
     def slot_init(self, vocab_size: int) -> SlotInit:
         req = self.request
         return SlotInit(self.slot, token_bits(req.prompt_token_ids, vocab_size),  # type: ignore
@@ -350,7 +356,8 @@ class LogitsProcessorState:
 
     def start_early(self, done: SchedulerOutput, sampled: np.ndarray,
                     sample_reqs: Sequence[Request],
-                    submit: Callable[[Callable[[], None]], Any]) -> EarlyMasks | None:
+                    submit: Callable[[Callable[[], None]], Any],
+                    gate: tuple[int, list[int]] | None = None) -> EarlyMasks | None:
         """Async scheduling, before ``done``'s outputs are committed: advance the matchers of
         ``done``'s constrained rows by their tokens (``sampled``, one per row: a decode step)
         and start the masks of the next step's rows (``sample_reqs``) on the mask thread
@@ -358,7 +365,7 @@ class LogitsProcessorState:
         constrained. ``after_step(..., early=)`` then applies the advances; ``prepare(...,
         early=)`` takes the masks."""
         if self.remote:
-            return self._start_early_remote(done, sampled, sample_reqs)
+            return self._start_early_remote(done, sampled, sample_reqs, gate)
         finished = RequestStatus.FINISHED
         advanced: dict[int, tuple[Request, Advance]] = {}
         for row, sr in enumerate(done.seqs):
@@ -392,9 +399,12 @@ class LogitsProcessorState:
         return early
 
     def _start_early_remote(self, done: SchedulerOutput, sampled: np.ndarray,
-                            sample_reqs: Sequence[Request]) -> EarlyMasks | None:
+                            sample_reqs: Sequence[Request],
+                            gate: tuple[int, list[int]] | None = None) -> EarlyMasks | None:
         """``start_early`` with the matchers in the worker: one job advances ``done``'s rows and
-        masks the next step's (the worker leaves out a row whose advance did not continue)."""
+        masks the next step's (the worker leaves out a row whose advance did not continue).
+        ``gate``: (sequence, keys): the next step was launched gated (``prepare(...,
+        masks=False)`` gave its rows' keys): the masks go to the gate's rows, in that order."""
         finished = RequestStatus.FINISHED
         adv_reqs: list[Request] = []
         keys: list[int] = []
@@ -415,8 +425,12 @@ class LogitsProcessorState:
         early = EarlyMasks({})
         early.adv_reqs = adv_reqs
         try:
-            job = _worker_of([r.procs.structured for r in adv_reqs] + structured).submit(
-                keys, toks, [st.key for st in structured])
+            w = _worker_of([r.procs.structured for r in adv_reqs] + structured)
+            if gate is not None:
+                job = w.submit(keys, toks, gate[1], gate=gate[0])
+                early.job = job
+                return early
+            job = w.submit(keys, toks, [st.key for st in structured])
         except GrammarError as e:  # (the worker is gone: these requests fail in after_step)
             for req in adv_reqs:
                 req.procs.structured.error = str(e)
@@ -429,11 +443,13 @@ class LogitsProcessorState:
         return early
 
     def prepare(self, sample_reqs: Sequence[Request],
-                early: EarlyMasks | None = None) -> ProcessorRows | None:
+                early: EarlyMasks | None = None, masks: bool = True) -> ProcessorRows | None:
         """The step's rows (one per sample row, in order), or None when none has a processor.
         A request already finished (async scheduling: by the step before this one, whose row
         here is dropped) samples unconstrained. ``early``: the masks ``start_early`` started
         for these rows (a constrained row it lacks: they are computed here instead).
+        ``masks=False``: a gated step's rows (no masks: ``grammar_keys`` says which worker
+        rows they will be).
 
         A steady batch (the same requests in the same rows, none finished, every row's slot
         held and its sparse list fixed) reuses the previous step's rows (``_steady``): only the
@@ -443,11 +459,11 @@ class LogitsProcessorState:
         if c is not None and c[0] == key and self._steady_holds(c[1]):
             _key, _have, flags, slot, pen, grow0, structured, sparse = c
             grow = grow0.copy()
-            mask, fill, future = self._masks(structured, grow, early)
+            mask, fill, future, keys = self._masks(structured, grow, early, masks)
             return ProcessorRows(flags=flags, slot=slot, penalties=pen, grammar_row=grow,
                                  grammar_mask=mask, sparse_start=sparse[0],
                                  sparse_ids=sparse[1], sparse_vals=sparse[2], inits=[],
-                                 fill=fill, future=future)
+                                 fill=fill, future=future, grammar_keys=keys)
         self._steady = None
         finished = RequestStatus.FINISHED
         # the rows with processors (a few of the step's, usually)
@@ -503,11 +519,11 @@ class LogitsProcessorState:
             for a in (flags, slot, pen, *sparse):
                 a.flags.writeable = False
             self._steady = (key, snap, flags, slot, pen, grow.copy(), structured, sparse)
-        mask, fill, future = self._masks(structured, grow, early)
+        mask, fill, future, keys = self._masks(structured, grow, early, masks)
         return ProcessorRows(
             flags=flags, slot=slot, penalties=pen, grammar_row=grow, grammar_mask=mask,
             sparse_start=sparse[0], sparse_ids=sparse[1], sparse_vals=sparse[2],
-            inits=inits, fill=fill, future=future)
+            inits=inits, fill=fill, future=future, grammar_keys=keys)
 
     @staticmethod
     def _steady_holds(snap: list) -> bool:
@@ -520,11 +536,15 @@ class LogitsProcessorState:
                 return False
         return True
 
-    def _masks(self, structured: list, grow: np.ndarray, early: EarlyMasks | None
-               ) -> tuple[np.ndarray, Callable[[], None] | None, Any]:
+    def _masks(self, structured: list, grow: np.ndarray, early: EarlyMasks | None,
+               masks: bool = True) -> tuple[np.ndarray, Callable[[], None] | None, Any, Any]:
         """The grammar masks of rows ``structured`` (``grow``: their rows, remapped in place
-        onto an early start's): (mask, fill, future)."""
+        onto an early start's): (mask, fill, future, None); ``masks=False``: (no rows, None,
+        None, the worker's keys of ``structured``)."""
         fill = future = None
+        if not masks:
+            return (np.zeros((0, self.words), np.uint32), None, None,
+                    [st.key for st in structured])
         if (structured and early is not None and early.mask is not None
                 and all(id(st) in early.rows for st in structured)):
             mask, future = early.mask, early.future  # (rows of finished requests: unused)
@@ -546,7 +566,7 @@ class LogitsProcessorState:
                 def fill() -> None:
                     grammars.fill_bitmasks(structured, mask)
 
-        return mask, fill, future
+        return mask, fill, future, None
 
     def step_failed(self, out: SchedulerOutput) -> None:
         """A step that did not run may have lost its slot inits: its requests' slots are

@@ -139,6 +139,9 @@ class ProcessorRows:
     # GPU runs the step's forward (``fill_masks``: every reader of grammar_mask calls it first)
     fill: Callable[[], None] | None = None
     future: Any = None  # fill running elsewhere (fill_async, or started before: start_early)
+    # a gated step's rows (``prepare(..., masks=False)``): the grammar worker's keys of the
+    # grammar rows, in mask-row order; the masks come later, from the worker's gate slot
+    grammar_keys: list[int] | None = None
 
     def fill_async(self, submit: Callable[[Callable[[], None]], Any]) -> None:
         """Start the masks on another thread (``submit``: an executor's); ``fill_masks`` then

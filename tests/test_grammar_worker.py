@@ -135,12 +135,12 @@ def worker_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
 
 
-def _params() -> list[SamplingParams]:
+def _params(bad_words: bool = True) -> list[SamplingParams]:
     so = [SO(json={"type": "object", "properties": {"a": {"type": "integer"}},
                    "required": ["a"]}), SO(regex=r"[0-9]{2,5}-[a-z]{1,3}"),
           SO(choice=["left", "right"]), None]
     return [SamplingParams(max_tokens=24, temperature=0.9, seed=s, structured_outputs=so[s % 4],
-                           bad_words=["the"] if s % 5 == 1 else None,
+                           bad_words=["the"] if s % 5 == 1 and bad_words else None,
                            repetition_penalty=1.2 if s % 3 == 0 else 1.0)
             for s in range(12)]
 
@@ -221,3 +221,151 @@ def test_no_worker_process_falls_back_to_in_process(chat_dir: Path, worker_env,
     assert out[0].outputs[0].text in ("left", "right")
     assert not llm.engine.processors.remote and llm.engine.processors.worker is None
     assert set(glob.glob("/dev/shm/cuteinfer-tok-*")) == before
+
+
+class _Queued:
+    """A launched step of ``GatedNumpy``: it runs when it is finished (in launch order)."""
+
+    def __init__(self, batch, src_rows, gate=None) -> None:
+        self.batch, self.src_rows, self.gate, self.out = batch, src_rows, gate, None
+
+
+class GatedNumpy:
+    """The numpy executor with a device's order of work: launches queue and run in order when
+    one of them is finished; a gated launch (``launch_gated``) waits, when it runs, for the
+    grammar worker's gate flag to reach its sequence number and reads its masks from the gate
+    rows, as the cuda executor's stream does."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.heartbeat = 0
+        self.queue: list[_Queued] = []
+        self.gated = 0
+        self.waited_s = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def can_gate(self, batch) -> bool:  # (as the cuda executor: no logprobs rows)
+        return not (batch.num_logprobs >= 0).any()
+
+    def launch(self, batch, src_rows=None):
+        q = _Queued(batch, src_rows)
+        self.queue.append(q)
+        return q
+
+    def launch_gated(self, batch, src_rows, gate):
+        assert batch.procs is not None and batch.procs.grammar_mask.shape[0] == 0
+        self.gated += 1
+        q = _Queued(batch, src_rows, gate)
+        self.queue.append(q)
+        return q
+
+    def launch_procs(self, handle, procs):
+        if not hasattr(handle, "batch") or isinstance(handle, _Queued):
+            return self.inner.launch_procs(handle, procs)
+        handle.batch.procs = procs
+        return self.launch(handle.batch, handle.src_rows)
+
+    def _run(self, q: _Queued) -> None:
+        import ctypes
+        import time
+
+        if q.gate is not None:
+            _base, _n, rows_ptr, flag_ptr = q.gate.region
+            flag = np.ctypeslib.as_array((ctypes.c_uint32 * 1).from_address(flag_ptr))
+            t0 = time.perf_counter()
+            while int(flag[0]) < q.gate.seq:
+                assert time.perf_counter() - t0 < 30, "the gate was never opened"
+                time.sleep(1e-4)
+            self.waited_s += time.perf_counter() - t0
+            words = (self.inner.vocab_size + 31) // 32 if hasattr(self.inner, "vocab_size") \
+                else q.batch.procs.grammar_mask.shape[1]
+            rows = np.ctypeslib.as_array((ctypes.c_uint32 * (q.gate.rows * words))
+                                         .from_address(rows_ptr)).reshape(q.gate.rows, words)
+            q.batch.procs.grammar_mask = rows.copy()
+        q.out = self.inner.launch(q.batch, q.src_rows)
+
+    def _drain(self, until=None) -> None:
+        while self.queue:
+            q = self.queue.pop(0)
+            self._run(q)
+            if q is until:
+                return
+
+    def finish(self, handle):
+        if isinstance(handle, _Queued):
+            if handle.out is None:
+                self._drain(handle)
+            return handle.out
+        return self.inner.finish(handle)
+
+    def execute(self, batch):
+        self._drain()
+        return self.inner.execute(batch)
+
+
+def _gated_llm(chat_dir: Path, **opts) -> LLM:
+    llm = LLM(str(chat_dir), async_scheduling=True, **opts)
+    llm.engine.executor = GatedNumpy(llm.engine.executor)
+    llm.engine._gate_on = True
+    return llm
+
+
+def test_gated_steps_equal_synchronous_in_process(chat_dir: Path, monkeypatch) -> None:
+    """Gated steps (``CUTEINFER_GRAMMAR_GATE``): a continuation whose only late rows are grammar
+    rows is launched whole and waits (on the device; here in ``GatedNumpy``) for the worker's
+    gate; the outputs equal synchronous scheduling with in-process matchers, token for token,
+    beside bad words (deferred steps), penalties and plain rows."""
+    opts = dict(backend="numpy", max_model_len=256, max_num_seqs=8)
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "0")
+    want = LLM(str(chat_dir), async_scheduling=False, **opts).generate(["Answer:"] * 12,
+                                                                       _params())
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
+    llm = _gated_llm(chat_dir, **opts)
+    got = llm.generate(["Answer:"] * 12, _params())
+    for g, x in zip(got, want, strict=True):
+        a, b = g.outputs[0], x.outputs[0]
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+    assert llm.engine.executor.gated > 0 and llm.engine._gate is None
+    # without bad words (every late row a grammar row): most continuations are gated; one
+    # constrained row wants logprobs (a step holding it is deferred, not gated)
+    ps = _params(bad_words=False)
+    ps[5] = SamplingParams(max_tokens=24, temperature=0.9, seed=5, logprobs=2,
+                           structured_outputs=ps[5].structured_outputs)
+    llm.engine.executor.gated = 0
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "0")
+    want = LLM(str(chat_dir), async_scheduling=False, **opts).generate(["Answer:"] * 12, ps)
+    got = llm.generate(["Answer:"] * 12, ps)
+    for g, x in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == x.outputs[0].token_ids
+    assert got[5].outputs[0].logprobs == want[5].outputs[0].logprobs
+    assert llm.engine.executor.gated >= 5, llm.engine.executor.gated
+    assert not llm.engine.processors.active
+    llm.engine.processors.close()
+
+
+def test_a_dead_worker_opens_the_gate(chat_dir: Path, worker_env) -> None:
+    """Killing the worker while gated steps run: no step waits for ever (the engine opens the
+    gate of the step in flight), the constrained requests end with an error naming the worker,
+    the plain ones finish normally."""
+    llm = _gated_llm(chat_dir, backend="numpy", max_model_len=256, max_num_seqs=8)
+    eng = llm.engine
+    ps = _params(bad_words=False)
+    for i, p in enumerate(ps):
+        eng.add_request("Answer:", p, request_id=f"r{i}")
+    for _ in range(4):
+        eng.step()
+    assert eng.executor.gated > 0
+    os.kill(eng.processors.worker.proc.pid, signal.SIGKILL)
+    eng.processors.worker.proc.wait()
+    while eng.has_unfinished():
+        eng.step()
+    for i, p in enumerate(ps):
+        o = eng.output(eng.requests[f"r{i}"]).outputs[0]
+        if p.structured_outputs is None:
+            assert o.finish_reason in ("length", "stop") and o.error is None, o
+        elif o.finish_reason == "error":
+            assert "grammar worker" in (o.error or ""), o.error
+    assert eng._gate is None
+    eng.processors.close()

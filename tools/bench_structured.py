@@ -170,6 +170,9 @@ def main() -> None:
     _Timed(acc, "execute", eng.executor, "execute")
     _Timed(acc, "launch_procs", eng.executor, "launch_procs", ev)
     _Timed(acc, "launch_deferred", eng.executor, "launch_deferred")
+    if hasattr(eng.executor, "launch_gated"):  # (CUTEINFER_GRAMMAR_GATE=1)
+        _Timed(acc, "launch_gated", eng.executor, "launch_gated")
+        _Timed(acc, "launch", eng.executor, "launch")
     _Timed(acc, "finish", eng.executor, "finish", ev)
     _Timed(acc, "outputs", eng.output_processor, "process")
     _Timed(acc, "masks", eng.processors.grammars, "fill_bitmasks", ev)
@@ -212,7 +215,8 @@ def main() -> None:
     _run(eng, a.batch, plain, a.prompt_len, 10)  # warm: graphs, the grammar tokenizer
     _run(eng, a.batch, constrained, a.prompt_len, 10)
     res = {"batch": a.batch, "constrained": a.constrained, "schema": a.schema,
-           "core_only": a.core_only, "grammar_process": eng.processors.remote}
+           "core_only": a.core_only, "grammar_process": eng.processors.remote,
+           "grammar_gate": eng._gate_on}
     for name, fn in (("plain", plain), ("structured", constrained), ("penalties", penalized),
                      ("plain_again", plain)):
         res[name] = _run(eng, a.batch, fn, a.prompt_len, a.steps)

@@ -22,7 +22,7 @@ import numpy as np
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream
+from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream, check
 from engine.executor.base import Executor, ExecutorError
 from engine.executor.cuda_model import (
     BF16,
@@ -117,6 +117,8 @@ class CudaExecutor(Executor):
         # of three eager kernel calls (~0.2 ms of host time at 0.6b, docs/perf.md v20)
         self.heads: GraphRunner | None = None
         self.tails: GraphRunner | None = None
+        self._gate_base = 0  # the grammar worker's shared memory, registered (launch_gated)
+        self._gate_flag = 0  # its gate flag's device address
         # per bucket of sequences that speculate (speculative_config): a verify step of
         # bucket x (k + 1) rows (verify_body)
         self.verify: GraphRunner | None = None
@@ -862,6 +864,55 @@ class CudaExecutor(Executor):
         self._awaiting = out
         return out
 
+    def can_gate(self, b: StepBatch) -> bool:
+        """Whether the decode continuation ``b`` (its rows built without masks) can be launched
+        gated (``launch_gated``): a step the async path launches (no logprobs), its bucket's
+        heads and tail graphs captured, no deferred step waiting for its processors."""
+        h, t = self.heads, self.tails
+        if (h is None or t is None or self._awaiting is not None or self._queued is not None
+                or not self._async_ok(b)):
+            return False
+        bucket = h.plan.bucket(b.num_seqs)
+        return bucket in h.graphs and bucket in t.graphs
+
+    def launch_gated(self, b: StepBatch, src_rows: np.ndarray | None, gate: Any) -> Any:
+        """A decode continuation whose grammar masks are not computed yet, launched whole: its
+        processor rows (built ahead, ``b.procs``, without masks) and inputs go up, the heads
+        graph runs, then the stream waits until the gate flag in host memory reaches
+        ``gate.seq`` (``cuStreamWaitValue32``; the grammar worker sets it once it has written
+        the masks), copies the ``gate.rows`` mask rows from host memory and runs the tail.
+        ``gate``: ``(host address, bytes, rows' address, flag address)`` as ``gate.region``
+        (registered with the device once), ``seq`` and ``rows``. Whoever cannot write the masks
+        must still set the flag (engine/structured/remote.py: ``open_gate``), or the stream
+        waits for ever."""
+        from cuda.bindings import driver as cu
+
+        n = b.num_seqs
+        assert self._async_ok(b)
+        base, nbytes, rows_ptr, flag_ptr = gate.region
+        if self._gate_base != base:  # (a new worker's memory: registered once)
+            check(cu.cuMemHostRegister(base, nbytes,
+                                       cu.CU_MEMHOSTREGISTER_DEVICEMAP
+                                       | cu.CU_MEMHOSTREGISTER_PORTABLE),
+                  "cuMemHostRegister")
+            self._gate_base = base
+            self._gate_flag = check(cu.cuMemHostGetDevicePointer(flag_ptr, 0),
+                                    "cuMemHostGetDevicePointer")
+        h, st = self.heads, self.stream
+        self._check(b)
+        bucket = h.pad(n)
+        self.upload_step(b, pad_to=bucket, src_rows=src_rows, procs=True)
+        h.replay(bucket)
+        check(cu.cuStreamWaitValue32(st.handle, self._gate_flag, gate.seq,
+                                     cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+              "cuStreamWaitValue32")
+        if gate.rows:
+            check(cu.cuMemcpyHtoDAsync(self.buf.procs.gmask.ptr, rows_ptr,
+                                       gate.rows * self.buf.procs.words * 4, st.handle),
+                  "cuMemcpyHtoDAsync")
+        self._tail(bucket)
+        return self._download_async(n)
+
     def launch_procs(self, handle: Any, procs: ProcessorRows | None) -> Any:
         if handle is self._awaiting:
             self._awaiting = None
@@ -983,6 +1034,11 @@ class CudaExecutor(Executor):
             p.close()
         self._pinned = None
         self.buf.procs.close()
+        if self._gate_base:  # (the worker's memory may be unmapped already: nothing to undo)
+            from cuda.bindings import driver as cu
+
+            cu.cuMemHostUnregister(self._gate_base)
+            self._gate_base = 0
         if self.staged is not None:
             self.staged.close()
             self.staged = None

@@ -46,7 +46,9 @@ from engine.structured.grammar import GrammarError
 
 SLOTS = 2  # mask slots: a job's rows are read (uploaded) before the job two later writes them
 OUTCOMES = ("continue", "done", "error")
-_HDR = struct.Struct("<iii")  # slot, keys advanced, keys masked
+_HDR = struct.Struct("<iiiI")  # slot, keys advanced, keys masked, gate sequence (0: none)
+ALL = np.uint32(0xFFFFFFFF)
+RECV_TIMEOUT_S = 60.0  # an answer later than this: the worker is taken for hung
 
 
 class _TokenizerJson:
@@ -63,16 +65,26 @@ class _TokenizerJson:
 class Job:
     """One ``S`` message in flight: ``outcomes()`` then ``masks()`` (each waits for its answer)."""
 
-    __slots__ = ("worker", "n_adv", "mask", "_outcomes", "_errors", "_masked", "_failed")
+    __slots__ = ("worker", "n_adv", "mask", "gate", "_outcomes", "_errors", "_masked",
+                 "_failed")
 
-    def __init__(self, worker: GrammarWorker, n_adv: int, mask: np.ndarray) -> None:
+    def __init__(self, worker: GrammarWorker, n_adv: int, mask: np.ndarray,
+                 gate: int = 0) -> None:
         self.worker = worker
         self.n_adv = n_adv
         self.mask = mask  # the slot's rows the worker fills (a view of the shared memory)
+        self.gate = gate  # the gate sequence the worker sets once the rows are written (0: none)
         self._outcomes: np.ndarray | None = None
         self._errors: dict[int, str] = {}
         self._masked = False
         self._failed: str | None = None
+
+    def _fail(self, why: str) -> None:
+        """The worker will not finish this job: a gated one opens its gate here (every row
+        allowing every token), so that the step waiting on the device runs."""
+        self._failed = why
+        if self.gate:
+            self.worker.open_gate(self.gate, self.mask.shape[0])
 
     def outcomes(self) -> tuple[np.ndarray, dict[int, str]]:
         """(int8 [n_adv] indices into ``OUTCOMES``, {row: llguidance's message} of the errors)."""
@@ -115,9 +127,15 @@ class GrammarWorker:
                  max_rows: int, threads: int | None = None) -> None:
         self.words = (vocab_size + 31) // 32
         self.max_rows = max_rows
-        self._shm = shared_memory.SharedMemory(create=True, size=SLOTS * max_rows * self.words * 4)
-        self.slots = np.ndarray((SLOTS, max_rows, self.words), np.uint32, self._shm.buf)
+        masks, flag = _layout(max_rows, self.words)
+        self._shm = shared_memory.SharedMemory(create=True, size=flag + 4096)
+        # slots 0..SLOTS-1: the ring of mask rows; slot SLOTS: the gate's rows (a gated job's,
+        # read by the device once the gate flag reaches the job's sequence number)
+        self.slots = np.ndarray((SLOTS + 1, max_rows, self.words), np.uint32, self._shm.buf)
+        self.gate_flag = np.ndarray((1,), np.uint32, self._shm.buf, flag)
+        self.gate_flag[0] = 0
         self._slot = 0
+        self.gate_seq = 0  # the last gate sequence number handed out (``next_gate``)
         # the tokenizer (~11 MB for Qwen3's) goes through a file the worker reads and removes:
         # through the socket, this thread would wait until the worker has started to read it
         fd, path = tempfile.mkstemp(prefix="cuteinfer-tok-", suffix=".json",
@@ -171,16 +189,19 @@ class GrammarWorker:
         try:
             if self.dead is not None:
                 raise GrammarError(self.dead)
+            if not self.conn.poll(RECV_TIMEOUT_S):  # a hung worker: stopped, as a dead one
+                self.proc.kill()
+                raise EOFError(f"no answer in {RECV_TIMEOUT_S} s; stopped")
             msg = self.conn.recv_bytes()
         except (EOFError, OSError) as e:
-            job._failed = f"the grammar worker is gone ({type(e).__name__}: {e})"
-            self.dead = job._failed
-            raise GrammarError(job._failed) from None
+            self.dead = f"the grammar worker is gone ({type(e).__name__}: {e})"
+            job._fail(self.dead)
+            raise GrammarError(self.dead) from None
         except GrammarError as e:
-            job._failed = str(e)
+            job._fail(str(e))
             raise
         if msg[:1] == b"E":  # the worker could not run the job (a bug): fails its rows
-            job._failed = f"the grammar worker failed: {msg[1:].decode(errors='replace')}"
+            job._fail(f"the grammar worker failed: {msg[1:].decode(errors='replace')}")
             job._masked = True  # (it sends nothing more for this job)
             if self._job is job:
                 self._job = None
@@ -209,22 +230,48 @@ class GrammarWorker:
                 pass
 
     def submit(self, adv_keys: list[int], tokens: list[int] | np.ndarray,
-               mask_keys: list[int]) -> Job:
-        """Advance ``adv_keys`` by ``tokens``, then mask ``mask_keys`` (rows in that order)."""
+               mask_keys: list[int], gate: int = 0) -> Job:
+        """Advance ``adv_keys`` by ``tokens``, then mask ``mask_keys`` (rows in that order).
+        ``gate``: a sequence number from ``next_gate``: the rows go to the gate's slot (a row
+        whose advance did not continue allows every token) and the gate flag is set to it once
+        they are written."""
         if len(mask_keys) > self.max_rows:
             raise GrammarError(f"{len(mask_keys)} constrained rows exceed the worker's "
                                f"{self.max_rows}")
         self._drain()
         slot = self._slot
-        if mask_keys:  # (an advance alone writes no rows)
+        if gate:
+            slot = SLOTS
+        elif mask_keys:  # (an advance alone writes no rows)
             self._slot = (slot + 1) % SLOTS
-        job = Job(self, len(adv_keys), self.slots[slot, :len(mask_keys)])
-        self._send(b"S" + _HDR.pack(slot, len(adv_keys), len(mask_keys))
+        job = Job(self, len(adv_keys), self.slots[slot, :len(mask_keys)], gate)
+        self._send(b"S" + _HDR.pack(slot, len(adv_keys), len(mask_keys), gate)
                    + np.asarray(adv_keys, np.int64).tobytes()
                    + np.asarray(tokens, np.int32).tobytes()
                    + np.asarray(mask_keys, np.int64).tobytes())
         self._job = job
         return job
+
+    # -- the gate (a device step waiting for its masks) ---------------------------------------
+    def next_gate(self) -> int:
+        """A new gate sequence number (the device waits until the flag reaches it)."""
+        self.gate_seq += 1
+        return self.gate_seq
+
+    def open_gate(self, seq: int, rows: int) -> None:
+        """Release the device step waiting on gate ``seq`` without masks: its ``rows`` rows allow
+        every token (the worker will not write them: it died, failed or got no job)."""
+        self.slots[SLOTS, :rows] = ALL
+        if int(self.gate_flag[0]) < seq:
+            self.gate_flag[0] = seq
+
+    @property
+    def gate_region(self) -> tuple[int, int, int, int]:
+        """(host address, bytes, the gate rows' address, the flag's address) of the shared
+        memory, for the executor to register and copy from."""
+        base = self.slots.ctypes.data
+        return (base, self._shm.size, self.slots[SLOTS].ctypes.data,
+                self.gate_flag.ctypes.data)
 
     def close(self) -> None:
         """Stop the worker (also when this object is collected, or at exit)."""
@@ -261,6 +308,12 @@ def _cleanup(proc: subprocess.Popen, conn: Connection, sock: socket.socket,
         pass
 
 
+def _layout(rows: int, words: int) -> tuple[int, int]:
+    """(bytes of the mask slots, the gate flag's offset: page-aligned after them)."""
+    masks = (SLOTS + 1) * rows * words * 4
+    return masks, (masks + 4095) // 4096 * 4096
+
+
 # -- the worker process ---------------------------------------------------------------------------
 def _serve(conn: Connection) -> None:
     from engine.structured.matcher import Advance, GrammarCache
@@ -277,7 +330,8 @@ def _serve(conn: Connection) -> None:
         pass
     cache = GrammarCache(tok, cfg["vocab"], tuple(cfg["eos"]), threads=cfg["threads"])
     words = cache.words
-    slots = np.ndarray((SLOTS, cfg["rows"], words), np.uint32, shm.buf)
+    slots = np.ndarray((SLOTS + 1, cfg["rows"], words), np.uint32, shm.buf)
+    flag = np.ndarray((1,), np.uint32, shm.buf, _layout(cfg["rows"], words)[1])
     matchers: dict[int, Any] = {}
     broken: dict[int, str] = {}
     order = {Advance.CONTINUE: 0, Advance.DONE: 1, Advance.ERROR: 2}
@@ -305,7 +359,7 @@ def _serve(conn: Connection) -> None:
             conn.send_bytes(b"E" + f"unknown message {op!r}".encode())
             continue
         try:
-            slot, n_adv, n_mask = _HDR.unpack_from(msg, 1)
+            slot, n_adv, n_mask, gate = _HDR.unpack_from(msg, 1)
             o = 1 + _HDR.size
             adv = np.frombuffer(msg, np.int64, n_adv, o).tolist()
             toks = np.frombuffer(msg, np.int32, n_adv, o + 8 * n_adv).tolist()
@@ -333,16 +387,18 @@ def _serve(conn: Connection) -> None:
                     errors[i] = why
         conn.send_bytes(b"O" + bytes(out) + (json.dumps(errors).encode() if errors else b""))
         reqs, rows = [], []
+        dest = slots[slot]
         try:
             for k, key in enumerate(keys):
                 if key in stopped:
+                    if gate:  # (the device reads every row of a gated step)
+                        dest[k] = ALL
                     continue
                 st = matchers.get(key)
                 if st is None:
                     raise GrammarError(broken.get(key, f"no matcher for request key {key}"))
                 reqs.append(st)
                 rows.append(k)
-            dest = slots[slot]
             if rows == list(range(len(rows))):
                 cache.fill_bitmasks(reqs, dest[:max(len(rows), 1)])
             elif reqs:
@@ -350,8 +406,13 @@ def _serve(conn: Connection) -> None:
                 cache.fill_bitmasks(reqs, tmp)
                 dest[rows] = tmp
         except Exception as e:  # noqa: BLE001
+            if gate:  # the step waiting on the device runs, its rows unmasked
+                dest[:n_mask] = ALL
+                flag[0] = max(int(flag[0]), gate)
             conn.send_bytes(b"E" + f"{type(e).__name__}: {e}".encode())
             continue
+        if gate:  # (x86 stores are ordered: the rows are visible before the flag)
+            flag[0] = max(int(flag[0]), gate)
         conn.send_bytes(b"M")
     conn.close()
     shm.close()

@@ -280,3 +280,58 @@ def test_structured_rows_overlap_their_masks_and_match_eager(tmp_path):
         assert isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green", "blue")
     report({"test": "structured_overlap_vs_eager", "requests": 12,
              "head_replays": g.engine.executor.heads.replays})
+
+
+def test_gated_structured_steps_match_eager(tmp_path, monkeypatch):
+    """``CUTEINFER_GRAMMAR_GATE=1``: a continuation whose only late rows are grammar rows is
+    launched whole (``launch_gated``): the stream waits on the grammar worker's flag in host
+    memory, copies the masks and samples. Greedy outputs equal eager mode's token for token,
+    and every constrained output holds its grammar."""
+    pytest.importorskip("llguidance")
+    import re
+
+    from engine import LLM, SamplingParams
+    from engine.sampling_params import StructuredOutputsParams
+    from engine.server.testing import write_test_checkpoint
+
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_GATE", "1")
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
+    d = write_test_checkpoint(tmp_path / "chat", "chat")
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 150000, int(rng.integers(4, 60))).tolist() for _ in range(12)]
+    regex = r"[a-z]{3,8}-[0-9]{2,4}"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "tag": {"enum": ["red", "green", "blue"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}
+    sp = []
+    for i in range(12):
+        so = None
+        if i % 3 == 1:
+            so = StructuredOutputsParams(regex=regex)
+        elif i % 3 == 2:
+            so = StructuredOutputsParams(json=schema)
+        sp.append(SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=so,
+                                 repetition_penalty=1.2 if i % 4 == 0 else 1.0))
+    opts = dict(backend="cuda", max_num_seqs=16, max_model_len=256,
+                num_gpu_blocks_override=16 * 16 + 8)
+    g = LLM(str(d), **opts)
+    ex = g.engine.executor
+    inner, gated = ex.launch_gated, [0]
+
+    def spy(*a, **k):
+        gated[0] += 1
+        return inner(*a, **k)
+
+    ex.launch_gated = spy
+    a = g.generate(prompts, sp)
+    e = LLM(str(d), enforce_eager=True, **opts)
+    b = e.generate(prompts, sp)
+    assert gated[0] > 0, "no step was launched gated"
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    for i in range(1, 12, 3):
+        assert re.fullmatch(regex, a[i].outputs[0].text), a[i].outputs[0].text
+    for i in range(2, 12, 3):
+        obj = json.loads(a[i].outputs[0].text)
+        assert isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green", "blue")
+    assert g.engine._gate is None
+    report({"test": "gated_structured_vs_eager", "requests": 12, "gated_launches": gated[0]})
