@@ -303,7 +303,9 @@ class LogitsProcessorState:
             if w is not None:
                 w.close()
             g = self.grammars
-            g.ll_tokenizer()  # (GrammarError without a tokenizer)
+            if g.tokenizer is None:
+                raise GrammarError("structured output needs the model's tokenizer "
+                                   "(tokenizer.json)")
             try:
                 w = GrammarWorker(g.tokenizer.backend_tokenizer.to_str(),  # type: ignore
                                   self.vocab_size, g.eos, self.num_rows, g.threads)
@@ -339,9 +341,9 @@ class LogitsProcessorState:
             text = p.structured_outputs.grammar_text
             try:
                 w = None
-                if self.remote:
-                    self.grammars.check(text)
+                if self.remote:  # (the worker first: it builds its tokenizer meanwhile)
                     w = self._worker()
+                    self.grammars.check(text)
                 if w is not None:
                     structured = RemoteStructured(next(self._keys), w)
                     w.add(structured.key, text)
