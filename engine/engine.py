@@ -60,13 +60,21 @@ def _failure(e: Exception) -> tuple[set[int] | None, str]:
 
 @dataclass
 class _Gate:
-    """What ``launch_gated`` needs of the grammar worker's gate (engine/structured/remote.py):
-    ``region`` (host address, bytes, the rows' address, the flag's address), the step's
-    sequence number and its grammar rows."""
+    """A gated step's gate (engine/structured/remote.py): the worker, the step's sequence number
+    and the worker keys of its grammar rows. ``launch_gated`` reads ``region`` (host address,
+    bytes, the rows' address, the flag's address), ``seq`` and ``rows``."""
 
-    region: tuple[int, int, int, int]
+    worker: Any
     seq: int
-    rows: int
+    keys: list[int]
+
+    @property
+    def region(self) -> tuple[int, int, int, int]:
+        return self.worker.gate_region
+
+    @property
+    def rows(self) -> int:
+        return len(self.keys)
 
 
 class _GatedRows:
@@ -207,7 +215,7 @@ class LLMEngine(OutputViews):
         self._pending: tuple[SchedulerOutput, Any, Any] | None = None
         self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks of deferred steps
         self._gate_on = envs.grammar_gate()
-        self._gate: tuple | None = None  # a gated step's gate until a job will open it
+        self._gate: _Gate | None = None  # a gated step's gate until a job will open it
         self._gate_job: Any = None  # the job that opens the gate of the gated step in flight
         trace = envs.step_trace_path()  # one line per step (CUTEINFER_STEP_TRACE), or None
         self._trace = None if trace is None else open(trace, "a", buffering=1 << 16)  # noqa: SIM115
@@ -425,7 +433,7 @@ class LLMEngine(OutputViews):
         return self._mask_pool.submit
 
     def _start_early(self, done: SchedulerOutput, step: StepOutput | None,
-                     nxt: SchedulerOutput, gate: tuple | None = None) -> EarlyMasks | None:
+                     nxt: SchedulerOutput, gate: _Gate | None = None) -> EarlyMasks | None:
         """``start_early``: ``done``'s matchers advanced and ``nxt``'s masks started before
         ``done``'s outputs are committed. None (the usual path in ``_complete``) when ``done``
         failed. ``gate``: nxt was launched gated (``_start_gated``)."""
@@ -433,7 +441,7 @@ class LLMEngine(OutputViews):
             return None
         return self.processors.start_early(
             done, step.sampled, [s.request for s in nxt.seqs], self._mask_submit(),
-            None if gate is None else (gate[1], gate[3]))
+            None if gate is None else (gate.seq, gate.keys))
 
     # -- gated steps (CUTEINFER_GRAMMAR_GATE) ------------------------------------------------
     def _gateable(self, nxt: SchedulerOutput) -> bool:
@@ -444,18 +452,14 @@ class LLMEngine(OutputViews):
         if not (self._gate_on and p.remote and p.worker is not None and p.worker.dead is None
                 and hasattr(self.executor, "launch_gated")):
             return False
-        return all(s.request.procs is None or s.request.procs.known_ahead()
-                   or s.request.procs.gated_ahead() for s in nxt.seqs)
+        return all(s.request.procs is None or s.request.procs.gated_ahead() for s in nxt.seqs)
 
     def _start_gated(self, batch: Any, src_rows: np.ndarray
                      ) -> tuple[Any, tuple[set[int] | None, str] | None]:
-        """Launch a gated step (``launch_gated``): ``self._gate`` = (worker, sequence, rows,
-        keys) until a job that opens it is sent (``_open_gate`` otherwise)."""
-        keys = batch.procs.grammar_keys or []
+        """Launch a gated step (``launch_gated``): its gate stays in ``self._gate`` until a job
+        that opens it is sent (``_open_gate`` otherwise)."""
         w = self.processors.worker
-        seq = w.next_gate()
-        self._gate = (w, seq, len(keys), keys)
-        gate = _Gate(w.gate_region, seq, len(keys))
+        self._gate = gate = _Gate(w, w.next_gate(), batch.procs.grammar_keys or [])
         try:
             handle = self.executor.launch_gated(batch, src_rows, gate)
             self._mark()
@@ -467,10 +471,9 @@ class LLMEngine(OutputViews):
     def _open_gate(self) -> None:
         """Release a gated step no job will release: its grammar rows run unmasked (their
         requests' advance then judges the tokens)."""
-        if self._gate is not None:
-            w, seq, rows, _keys = self._gate
-            self._gate = None
-            w.open_gate(seq, rows)
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.worker.open_gate(gate.seq, gate.rows)
 
     def _prepare_later(self, out: SchedulerOutput, handle: Any,
                        early: EarlyMasks | None = None) -> _Later:

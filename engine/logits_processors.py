@@ -95,16 +95,21 @@ def _worker_of(structured: list[RemoteStructured]) -> GrammarWorker:
 _ADVANCE = {name: Advance(name) for name in OUTCOMES}
 
 
+def _all_failed(reqs: list[Request], why: str) -> list[tuple[Request, Advance]]:
+    """``reqs``' advances when the worker could not make them: errors, ``why`` the message."""
+    for req in reqs:
+        if req.procs is not None and req.procs.structured is not None:
+            req.procs.structured.error = why
+    return [(req, Advance.ERROR) for req in reqs]
+
+
 def _remote_outcomes(job: Job, reqs: list[Request]) -> list[tuple[Request, Advance]]:
     """A worker job's advances of ``reqs``: their outcomes (every one ERROR, with the reason, when
     the worker failed), llguidance's messages put on the requests' ``RemoteStructured``."""
     try:
         codes, errors = job.outcomes()
     except GrammarError as e:
-        for req in reqs:
-            if req.procs is not None and req.procs.structured is not None:
-                req.procs.structured.error = str(e)
-        return [(req, Advance.ERROR) for req in reqs]
+        return _all_failed(reqs, str(e))
     out = []
     for i, req in enumerate(reqs):
         res = _ADVANCE[OUTCOMES[codes[i]]]
@@ -222,9 +227,7 @@ class RequestProcessors:
         tokens) and a min_tokens still unmet (the output count, one short here, decides the
         stop ban; once met it stays met) do not, nor a row whose slot would be rebuilt from
         the token ids (the one in flight is not among them yet)."""
-        return (self.structured is None and not self.bad_multi
-                and len(self.request.output_token_ids) >= self.min_tokens
-                and (self.slot is not None or not self.needs_slot))
+        return self.structured is None and self.gated_ahead()
 
     def gated_ahead(self) -> bool:
         """Whether only the grammar mask of this request's next row waits for the token in
@@ -428,18 +431,13 @@ class LogitsProcessorState:
         early.adv_reqs = adv_reqs
         try:
             w = _worker_of([r.procs.structured for r in adv_reqs] + structured)
-            if gate is not None:
-                job = w.submit(keys, toks, gate[1], gate=gate[0])
-                early.job = job
-                return early
-            job = w.submit(keys, toks, [st.key for st in structured])
+            job = w.submit(keys, toks, [st.key for st in structured] if gate is None
+                           else gate[1], gate=0 if gate is None else gate[0])
         except GrammarError as e:  # (the worker is gone: these requests fail in after_step)
-            for req in adv_reqs:
-                req.procs.structured.error = str(e)
-            early.advanced = {id(r): (r, Advance.ERROR) for r in adv_reqs}
+            early.advanced = {id(r): (r, res) for r, res in _all_failed(adv_reqs, str(e))}
             return early
         early.job = job
-        if structured:
+        if structured and gate is None:
             early.mask, early.future = job.mask, job
             early.rows = {id(st): k for k, st in enumerate(structured)}
         return early
@@ -612,10 +610,8 @@ class LogitsProcessorState:
         """Advance ``reqs``' matchers in the worker by their last tokens (and wait)."""
         try:
             job = _worker_of([r.procs.structured for r in reqs]).submit(
-                [r.procs.structured.key for r in reqs],
-                                        [r.output_token_ids[-1] for r in reqs], [])
+                [r.procs.structured.key for r in reqs], [r.output_token_ids[-1] for r in reqs],
+                [])
         except GrammarError as e:
-            for r in reqs:
-                r.procs.structured.error = str(e)
-            return [(r, Advance.ERROR) for r in reqs]
+            return _all_failed(reqs, str(e))
         return _remote_outcomes(job, reqs)

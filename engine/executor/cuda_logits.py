@@ -93,9 +93,7 @@ class ProcessorBuffers:
             self._last_rows = None
             self._upload_rows(rows, max(pad, 0), k, stream)
             if not rows.flags.flags.writeable:  # (steady rows: the next step may reuse them)
-                self._last_rows = ((rows.flags, rows.slot, rows.penalties, rows.sparse_start,
-                                    rows.sparse_ids, rows.sparse_vals), pad,
-                                   rows.grammar_row.copy())
+                self._last_rows = (_row_arrays(rows), pad, rows.grammar_row.copy())
         self.clear = False
         # the grammar masks last: the rows above go up while the mask threads finish
         rows.fill_masks()  # (computes them, or waits for fill_async's)
@@ -110,10 +108,8 @@ class ProcessorBuffers:
         step's read-only arrays (``LogitsProcessorState.prepare``), so the same objects, the
         same grammar rows and padding, and no upload of other rows since, need no copy."""
         last = self._last_rows
-        arrays = (rows.flags, rows.slot, rows.penalties, rows.sparse_start, rows.sparse_ids,
-                  rows.sparse_vals)
         return (last is not None and not self.clear and not rows.inits and last[1] == pad
-                and all(a is b for a, b in zip(arrays, last[0], strict=True))
+                and all(a is b for a, b in zip(_row_arrays(rows), last[0], strict=True))
                 and np.array_equal(rows.grammar_row, last[2]))
 
     def _upload_rows(self, rows: ProcessorRows, pad: int, k: int, stream: Stream) -> None:
@@ -219,3 +215,9 @@ class ProcessorBuffers:
         self._last_rows = None  # (the flags on the device are these now)
         self.apply(kernels, logits, steps, num_rows, stream)
         self.grammar_flags = None
+
+
+def _row_arrays(rows: ProcessorRows) -> tuple:
+    """The arrays of ``rows`` a steady step reuses (``LogitsProcessorState.prepare``)."""
+    return (rows.flags, rows.slot, rows.penalties, rows.sparse_start, rows.sparse_ids,
+            rows.sparse_vals)

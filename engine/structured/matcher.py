@@ -113,31 +113,29 @@ class GrammarCache:
         """GrammarError if ``grammar`` does not compile (compiled once, cached as ``matcher``
         caches it; no matcher is made)."""
         with self._lock:
-            if grammar in self._templates:
-                self._templates.move_to_end(grammar)
-                return
-            tpl, dt = self._compile(grammar)
-            if tpl.is_error():
-                raise GrammarError(tpl.get_error())
-            self._templates[grammar] = _Shards(tpl, dt)
-            if len(self._templates) > MAX_CACHED_GRAMMARS:
-                self._templates.popitem(last=False)
+            self._shards(grammar)
+
+    def _shards(self, grammar: str) -> _Shards:
+        """``grammar``'s cached shards, compiled now if it is not cached (GrammarError if it
+        does not compile); the caller holds the lock."""
+        sh = self._templates.get(grammar)
+        if sh is not None:
+            self._templates.move_to_end(grammar)
+            return sh
+        tpl, dt = self._compile(grammar)
+        if tpl.is_error():
+            raise GrammarError(tpl.get_error())
+        sh = self._templates[grammar] = _Shards(tpl, dt)
+        if len(self._templates) > MAX_CACHED_GRAMMARS:
+            self._templates.popitem(last=False)
+        return sh
 
     def matcher(self, grammar: str) -> StructuredRequest:
         """A fresh matcher of ``grammar``, a copy of its least loaded shard (a new shard is
         compiled while every one has live requests, up to ``max_shards``). GrammarError if the
         grammar does not compile."""
         with self._lock:
-            sh = self._templates.get(grammar)
-            if sh is None:
-                tpl, dt = self._compile(grammar)
-                if tpl.is_error():
-                    raise GrammarError(tpl.get_error())
-                sh = self._templates[grammar] = _Shards(tpl, dt)
-                if len(self._templates) > MAX_CACHED_GRAMMARS:
-                    self._templates.popitem(last=False)
-            else:
-                self._templates.move_to_end(grammar)
+            sh = self._shards(grammar)
             loads = [len(live) for live in sh.live]
             k = loads.index(min(loads))
             if (loads[k] and len(sh.templates) < self.max_shards

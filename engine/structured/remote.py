@@ -63,7 +63,8 @@ class _TokenizerJson:
 
 
 class Job:
-    """One ``S`` message in flight: ``outcomes()`` then ``masks()`` (each waits for its answer)."""
+    """One ``S`` message in flight: ``outcomes()``, then ``result()`` (the masks written); each
+    waits for its answer."""
 
     __slots__ = ("worker", "n_adv", "mask", "gate", "_outcomes", "_errors", "_masked",
                  "_failed")
@@ -102,7 +103,7 @@ class Job:
         the step run: the matchers' advance then rejects what does not fit the grammar, or the
         dead worker's error finishes the constrained requests (``LogitsProcessorState``)."""
         if self.exception() is not None:
-            self.mask[:] = 0xFFFFFFFF
+            self.mask[:] = ALL
 
     def exception(self) -> BaseException | None:
         """Wait until the masks are written; the error that kept them from being written."""
@@ -115,10 +116,6 @@ class Job:
             return e
         return GrammarError(self._failed) if self._failed is not None else None
 
-    @property
-    def done(self) -> bool:
-        return self._masked or self._failed is not None
-
 
 class GrammarWorker:
     """The client side: starts the worker process, sends it requests' grammars and steps."""
@@ -127,7 +124,7 @@ class GrammarWorker:
                  max_rows: int, threads: int | None = None) -> None:
         self.words = (vocab_size + 31) // 32
         self.max_rows = max_rows
-        masks, flag = _layout(max_rows, self.words)
+        flag = _flag_offset(max_rows, self.words)
         self._shm = shared_memory.SharedMemory(create=True, size=flag + 4096)
         # slots 0..SLOTS-1: the ring of mask rows; slot SLOTS: the gate's rows (a gated job's,
         # read by the device once the gate flag reaches the job's sequence number)
@@ -308,10 +305,9 @@ def _cleanup(proc: subprocess.Popen, conn: Connection, sock: socket.socket,
         pass
 
 
-def _layout(rows: int, words: int) -> tuple[int, int]:
-    """(bytes of the mask slots, the gate flag's offset: page-aligned after them)."""
-    masks = (SLOTS + 1) * rows * words * 4
-    return masks, (masks + 4095) // 4096 * 4096
+def _flag_offset(rows: int, words: int) -> int:
+    """The gate flag's offset in the shared memory: the first page after the mask slots."""
+    return ((SLOTS + 1) * rows * words * 4 + 4095) // 4096 * 4096
 
 
 # -- the worker process ---------------------------------------------------------------------------
@@ -331,7 +327,7 @@ def _serve(conn: Connection) -> None:
     cache = GrammarCache(tok, cfg["vocab"], tuple(cfg["eos"]), threads=cfg["threads"])
     words = cache.words
     slots = np.ndarray((SLOTS + 1, cfg["rows"], words), np.uint32, shm.buf)
-    flag = np.ndarray((1,), np.uint32, shm.buf, _layout(cfg["rows"], words)[1])
+    flag = np.ndarray((1,), np.uint32, shm.buf, _flag_offset(cfg["rows"], words))
     matchers: dict[int, Any] = {}
     broken: dict[int, str] = {}
     order = {Advance.CONTINUE: 0, Advance.DONE: 1, Advance.ERROR: 2}

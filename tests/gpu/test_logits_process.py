@@ -238,34 +238,55 @@ def test_greedy_processors_with_graphs_equal_eager(model_dir):
              "graph_steps": g.engine.stats.graph_steps})
 
 
+REGEX = r"[a-z]{3,8}-[0-9]{2,4}"
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["ok", "tag"], "additionalProperties": False}  # closes in 24 tokens
+
+
+def _structured_case(tmp_path, penalties: bool = False):
+    """The chat checkpoint (the real Qwen3 tokenizer), 12 random prompts, greedy params: every
+    third request under ``REGEX``, every third under ``SCHEMA``, the rest plain (``penalties``:
+    every fourth with a repetition penalty), and the engine options."""
+    from engine import SamplingParams
+    from engine.sampling_params import StructuredOutputsParams
+    from engine.server.testing import write_test_checkpoint
+
+    d = write_test_checkpoint(tmp_path / "chat", "chat")
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 150000, int(rng.integers(4, 60))).tolist() for _ in range(12)]
+    sp = []
+    for i in range(12):
+        so = None
+        if i % 3 == 1:
+            so = StructuredOutputsParams(regex=REGEX)
+        elif i % 3 == 2:
+            so = StructuredOutputsParams(json=SCHEMA)
+        sp.append(SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=so,
+                                 repetition_penalty=1.2 if penalties and i % 4 == 0 else 1.0))
+    opts = dict(backend="cuda", max_num_seqs=16, max_model_len=256,
+                num_gpu_blocks_override=16 * 16 + 8)
+    return d, prompts, sp, opts
+
+
+def _assert_grammars_hold(outs) -> None:
+    import re
+
+    for i in range(1, 12, 3):
+        assert re.fullmatch(REGEX, outs[i].outputs[0].text), outs[i].outputs[0].text
+    for i in range(2, 12, 3):
+        obj = json.loads(outs[i].outputs[0].text)
+        assert isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green", "blue")
+
+
 def test_structured_rows_overlap_their_masks_and_match_eager(tmp_path):
     """Steps with grammar rows replay the head graph (forward + LM head), compute the masks on
     the host meanwhile and sample eagerly: greedy outputs equal eager mode's token for token,
     every constrained output holds its grammar, and the plain rows batched with them too."""
     pytest.importorskip("llguidance")
-    import re
+    from engine import LLM
 
-    from engine import LLM, SamplingParams
-    from engine.sampling_params import StructuredOutputsParams
-    from engine.server.testing import write_test_checkpoint
-
-    d = write_test_checkpoint(tmp_path / "chat", "chat")  # the real Qwen3 tokenizer
-    rng = np.random.default_rng()
-    prompts = [rng.integers(0, 150000, int(rng.integers(4, 60))).tolist() for _ in range(12)]
-    regex = r"[a-z]{3,8}-[0-9]{2,4}"
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                               "tag": {"enum": ["red", "green", "blue"]}},
-              "required": ["ok", "tag"], "additionalProperties": False}  # closes in 24 tokens
-    sp = []
-    for i in range(12):
-        so = None
-        if i % 3 == 1:
-            so = StructuredOutputsParams(regex=regex)
-        elif i % 3 == 2:
-            so = StructuredOutputsParams(json=schema)
-        sp.append(SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=so))
-    opts = dict(backend="cuda", max_num_seqs=16, max_model_len=256,
-                num_gpu_blocks_override=16 * 16 + 8)
+    d, prompts, sp, opts = _structured_case(tmp_path)
     g = LLM(str(d), **opts)
     e = LLM(str(d), enforce_eager=True, **opts)
     a = g.generate(prompts, sp)
@@ -273,11 +294,7 @@ def test_structured_rows_overlap_their_masks_and_match_eager(tmp_path):
     assert g.engine.executor.heads.replays > 0, "no step took the overlapped path"
     assert g.engine.executor.tails.replays == g.engine.executor.heads.replays
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    for i in range(1, 12, 3):
-        assert re.fullmatch(regex, a[i].outputs[0].text), a[i].outputs[0].text
-    for i in range(2, 12, 3):
-        obj = json.loads(a[i].outputs[0].text)
-        assert isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green", "blue")
+    _assert_grammars_hold(a)
     report({"test": "structured_overlap_vs_eager", "requests": 12,
              "head_replays": g.engine.executor.heads.replays})
 
@@ -288,32 +305,11 @@ def test_gated_structured_steps_match_eager(tmp_path, monkeypatch):
     memory, copies the masks and samples. Greedy outputs equal eager mode's token for token,
     and every constrained output holds its grammar."""
     pytest.importorskip("llguidance")
-    import re
-
-    from engine import LLM, SamplingParams
-    from engine.sampling_params import StructuredOutputsParams
-    from engine.server.testing import write_test_checkpoint
+    from engine import LLM
 
     monkeypatch.setenv("CUTEINFER_GRAMMAR_GATE", "1")
     monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
-    d = write_test_checkpoint(tmp_path / "chat", "chat")
-    rng = np.random.default_rng()
-    prompts = [rng.integers(0, 150000, int(rng.integers(4, 60))).tolist() for _ in range(12)]
-    regex = r"[a-z]{3,8}-[0-9]{2,4}"
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
-                                               "tag": {"enum": ["red", "green", "blue"]}},
-              "required": ["ok", "tag"], "additionalProperties": False}
-    sp = []
-    for i in range(12):
-        so = None
-        if i % 3 == 1:
-            so = StructuredOutputsParams(regex=regex)
-        elif i % 3 == 2:
-            so = StructuredOutputsParams(json=schema)
-        sp.append(SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=so,
-                                 repetition_penalty=1.2 if i % 4 == 0 else 1.0))
-    opts = dict(backend="cuda", max_num_seqs=16, max_model_len=256,
-                num_gpu_blocks_override=16 * 16 + 8)
+    d, prompts, sp, opts = _structured_case(tmp_path, penalties=True)
     g = LLM(str(d), **opts)
     ex = g.engine.executor
     inner, gated = ex.launch_gated, [0]
@@ -328,10 +324,6 @@ def test_gated_structured_steps_match_eager(tmp_path, monkeypatch):
     b = e.generate(prompts, sp)
     assert gated[0] > 0, "no step was launched gated"
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    for i in range(1, 12, 3):
-        assert re.fullmatch(regex, a[i].outputs[0].text), a[i].outputs[0].text
-    for i in range(2, 12, 3):
-        obj = json.loads(a[i].outputs[0].text)
-        assert isinstance(obj["ok"], bool) and obj["tag"] in ("red", "green", "blue")
+    _assert_grammars_hold(a)
     assert g.engine._gate is None
     report({"test": "gated_structured_vs_eager", "requests": 12, "gated_launches": gated[0]})
