@@ -263,3 +263,54 @@ def test_graph_capture_errors_name_the_call(fake_cu):
     cu = fake_cu(fail={"cuGraphLaunch"})
     with pytest.raises(driver.CudaError, match="cuGraphLaunch failed"):
         driver.Graph("graph", "exec").launch(FakeStream())
+
+
+# -- driver.register_host over a fake driver that refuses overlapping registrations ------------
+class FakeHostDriver(FakeDriver):
+    """cuMemHostRegister as the driver does it: a range overlapping a registered one fails
+    (CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, 712); unregistering frees the range."""
+
+    CU_MEMHOSTREGISTER_DEVICEMAP, CU_MEMHOSTREGISTER_PORTABLE = 2, 1
+
+    def __init__(self):
+        super().__init__()
+        self.ranges: dict[int, int] = {}
+
+    def cuMemHostRegister(self, base, nbytes, flags):
+        self.calls.append(("register", base))
+        assert flags == 3
+        if any(b < base + nbytes and base < b + n for b, n in self.ranges.items()):
+            return (712,)
+        self.ranges[base] = nbytes
+        return (0,)
+
+    def cuMemHostUnregister(self, base):
+        self.calls.append(("unregister", base))
+        return (0,) if self.ranges.pop(base, None) is not None else (1,)
+
+    def cuMemHostGetDevicePointer(self, base, flags):
+        assert any(b <= base < b + n for b, n in self.ranges.items())
+        return (0, base + (1 << 40))
+
+
+def test_register_host_replaces_stale_overlapping_registrations(monkeypatch):
+    """A shared memory mapping registered by an engine that was dropped without shutdown is
+    unmapped but stays registered; a new mapping at an overlapping address registers anyway
+    (the stale range is unregistered first) and gets its device address; ranges that do not
+    overlap are left alone; unregister_host is idempotent."""
+    cu = FakeHostDriver()
+    monkeypatch.setattr(driver, "_cu", lambda: cu)
+    monkeypatch.setattr(driver, "_HOST_REGISTERED", {})
+    assert driver.register_host(0x1000, 0x3000) == 0x1000 + (1 << 40)
+    assert driver.register_host(0x8000, 0x1000) == 0x8000 + (1 << 40)  # (apart: both live)
+    # the first engine is dropped: its range stays registered; a new mapping reuses part of it
+    assert driver.register_host(0x2000, 0x4000) == 0x2000 + (1 << 40)
+    assert cu.ranges == {0x2000: 0x4000, 0x8000: 0x1000}
+    assert ("unregister", 0x1000) in cu.calls and ("unregister", 0x8000) not in cu.calls
+    driver.unregister_host(0x2000)
+    driver.unregister_host(0x2000)  # (nothing left to undo: no driver call)
+    driver.unregister_host(0)
+    assert cu.ranges == {0x8000: 0x1000} and cu.calls.count(("unregister", 0x2000)) == 1
+    cu.ranges[0x10000] = 0x1000  # registered behind our back: the driver's error is raised
+    with pytest.raises(driver.CudaError, match="cuMemHostRegister failed"):
+        driver.register_host(0x10000, 0x1000)

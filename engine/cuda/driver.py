@@ -488,3 +488,31 @@ class PinnedBuffer:
         if self.ptr:
             check(_cu().cuMemFreeHost(self.ptr), "cuMemFreeHost")
             self.ptr = 0
+
+
+_HOST_REGISTERED: dict[int, int] = {}  # this process's cuMemHostRegister ranges: base -> bytes
+
+
+def register_host(base: int, nbytes: int) -> int:
+    """Page-lock ``nbytes`` of host memory at ``base`` that CUDA did not allocate (a shared
+    memory mapping) and map it for the device (``cuMemHostRegister``); returns the device
+    address of ``base``. A range this process registered before that overlaps it is
+    unregistered first: two live mappings cannot overlap, so its memory was unmapped without
+    being unregistered (an engine dropped without ``shutdown``) and the new mapping reuses its
+    addresses, where registering again would fail (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``).
+    """
+    cu = _cu()
+    for b, n in list(_HOST_REGISTERED.items()):
+        if b < base + nbytes and base < b + n:
+            unregister_host(b)
+    check(cu.cuMemHostRegister(base, nbytes, cu.CU_MEMHOSTREGISTER_DEVICEMAP
+                               | cu.CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister")
+    _HOST_REGISTERED[base] = nbytes
+    return int(check(cu.cuMemHostGetDevicePointer(base, 0), "cuMemHostGetDevicePointer"))
+
+
+def unregister_host(base: int) -> None:
+    """Undo ``register_host`` (nothing if ``base`` is not registered). The memory may be
+    unmapped already: the driver's answer is not checked."""
+    if _HOST_REGISTERED.pop(base, None) is not None:
+        _cu().cuMemHostUnregister(base)

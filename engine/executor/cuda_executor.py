@@ -22,7 +22,16 @@ import numpy as np
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig
-from engine.cuda.driver import Arena, Context, Event, PinnedBuffer, Stream, check
+from engine.cuda.driver import (
+    Arena,
+    Context,
+    Event,
+    PinnedBuffer,
+    Stream,
+    check,
+    register_host,
+    unregister_host,
+)
 from engine.executor.base import Executor, ExecutorError
 from engine.executor.cuda_model import (
     BF16,
@@ -119,6 +128,7 @@ class CudaExecutor(Executor):
         self.tails: GraphRunner | None = None
         self._gate_base = 0  # the grammar worker's shared memory, registered (launch_gated)
         self._gate_flag = 0  # its gate flag's device address
+        self._gate_old: list[int] = []  # earlier workers' memory, registered till shutdown
         # per bucket of sequences that speculate (speculative_config): a verify step of
         # bucket x (k + 1) rows (verify_body)
         self.verify: GraphRunner | None = None
@@ -891,13 +901,10 @@ class CudaExecutor(Executor):
         assert self._async_ok(b)
         base, nbytes, rows_ptr, flag_ptr = gate.region
         if self._gate_base != base:  # (a new worker's memory: registered once)
-            check(cu.cuMemHostRegister(base, nbytes,
-                                       cu.CU_MEMHOSTREGISTER_DEVICEMAP
-                                       | cu.CU_MEMHOSTREGISTER_PORTABLE),
-                  "cuMemHostRegister")
+            if self._gate_base:  # a restarted worker: a gated step in flight may still read
+                self._gate_old.append(self._gate_base)  # the old memory (until shutdown)
+            self._gate_flag = register_host(base, nbytes) + (flag_ptr - base)
             self._gate_base = base
-            self._gate_flag = check(cu.cuMemHostGetDevicePointer(flag_ptr, 0),
-                                    "cuMemHostGetDevicePointer")
         h, st = self.heads, self.stream
         self._check(b)
         bucket = h.pad(n)
@@ -1034,11 +1041,9 @@ class CudaExecutor(Executor):
             p.close()
         self._pinned = None
         self.buf.procs.close()
-        if self._gate_base:  # (the worker's memory may be unmapped already: nothing to undo)
-            from cuda.bindings import driver as cu
-
-            cu.cuMemHostUnregister(self._gate_base)
-            self._gate_base = 0
+        for base in (*self._gate_old, self._gate_base):  # (the workers' memory may be unmapped
+            unregister_host(base)  # already)
+        self._gate_base, self._gate_old = 0, []
         if self.staged is not None:
             self.staged.close()
             self.staged = None
