@@ -262,8 +262,8 @@ def grammar_process() -> bool:
 def grammar_gate() -> bool:
     """``CUTEINFER_GRAMMAR_GATE``: a decode continuation whose only late rows are grammar rows
     is launched whole, the device waiting for the grammar worker's masks on a flag in host
-    memory (``CudaExecutor.launch_gated``; default off)."""
-    return _flag("CUTEINFER_GRAMMAR_GATE", False)
+    memory (``CudaExecutor.launch_gated``; default on; 0 launches such a step deferred)."""
+    return _flag("CUTEINFER_GRAMMAR_GATE", True)
 
 
 CUDA_SCHED = ("auto", "spin", "yield", "blocking")
