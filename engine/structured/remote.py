@@ -325,6 +325,10 @@ def _serve(conn: Connection) -> None:
     except Exception:  # noqa: BLE001
         pass
     cache = GrammarCache(tok, cfg["vocab"], tuple(cfg["eos"]), threads=cfg["threads"])
+    try:  # built now (~2 s for Qwen3's), while the main process builds its own to validate the
+        cache.ll_tokenizer()  # first grammar, not after it (a failure shows at the first grammar)
+    except Exception:  # noqa: BLE001
+        pass
     words = cache.words
     slots = np.ndarray((SLOTS + 1, cfg["rows"], words), np.uint32, shm.buf)
     flag = np.ndarray((1,), np.uint32, shm.buf, _flag_offset(cfg["rows"], words))
