@@ -259,6 +259,14 @@ def grammar_process() -> bool:
     return _flag("CUTEINFER_GRAMMAR_PROCESS", True)
 
 
+def grammar_warmup() -> bool:
+    """``CUTEINFER_GRAMMAR_WARMUP``: the engine core process (the server's) makes structured
+    output ready before it says it is ready: the grammar worker started, llguidance's tokenizer
+    built (``LogitsProcessorState.warm_up``; default on; 0: at the first constrained request,
+    which then stalls the running ones ~2 s)."""
+    return _flag("CUTEINFER_GRAMMAR_WARMUP", True)
+
+
 def grammar_gate() -> bool:
     """``CUTEINFER_GRAMMAR_GATE``: a decode continuation whose only late rows are grammar rows
     is launched whole, the device waiting for the grammar worker's masks on a flag in host

@@ -322,6 +322,24 @@ class LogitsProcessorState:
             self.worker = w
         return w
 
+    def warm_up(self) -> bool:
+        """Make structured output ready before the first constrained request arrives: start the
+        grammar worker (it builds its llguidance tokenizer as it starts) and build this
+        process's (grammars are compiled here to refuse a bad one at admission). Built lazily
+        instead, the first constrained request stalls every running request while llguidance
+        holds the GIL (~2 s for Qwen3's vocabulary). False when structured output cannot run
+        here (no tokenizer, no llguidance); the first request then says why."""
+        if self.grammars.tokenizer is None:
+            return False
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            return False
+        if self.remote:
+            self._worker()
+        self.grammars.ll_tokenizer()
+        return True
+
     def close(self) -> None:
         """Stop the grammar worker, if one runs."""
         if self.worker is not None:

@@ -11,6 +11,10 @@ os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 # --keep-ptx (the PTX checks) writes a .ptx file into the DSL's dump dir, by default the working
 # directory: a temporary one instead, so a test run leaves nothing in the checkout
 os.environ.setdefault("CUTE_DSL_DUMP_DIR", tempfile.mkdtemp(prefix="cute-dsl-dump-"))
+# The engine core process warms structured output up at start (~3 s of CPU each for Qwen3's
+# tokenizer, in the core and in the grammar worker): the server tests that send no constrained
+# request skip it; test_server_structured and test_grammar_worker's warm-up test turn it on
+os.environ.setdefault("CUTEINFER_GRAMMAR_WARMUP", "0")
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -362,3 +362,38 @@ def test_a_dead_worker_opens_the_gate(chat_dir: Path, worker_env) -> None:
             assert "grammar worker" in (o.error or ""), o.error
     assert eng._gate is None
     eng.processors.close()
+
+
+def _assert_warm(eng) -> None:
+    """(A fault hook run in the engine core process, after its start-up: refuses to start a
+    core whose structured output is not ready.)"""
+    p = eng.processors
+    if not (p.worker is not None and p.worker.dead is None and p.grammars._ll_tok is not None):
+        raise RuntimeError("structured output was not warmed up")
+
+
+def test_warm_up_readies_structured_output_before_the_first_request(
+        chat_dir: Path, worker_env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_up`` starts the grammar worker and builds llguidance's tokenizer, so the first
+    constrained request builds neither (each takes ~2 s for Qwen3's vocabulary, and in this
+    process llguidance holds the GIL meanwhile: every running request would stall); the engine
+    core process warms up before it says it is ready (``CUTEINFER_GRAMMAR_WARMUP``, default on);
+    a model without a tokenizer has nothing to warm."""
+    from engine.server.testing import make_engine, write_test_checkpoint
+
+    llm = LLM(str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=4)
+    p = llm.engine.processors
+    assert p.worker is None and p.grammars._ll_tok is None  # (lazy without a warm-up)
+    assert p.warm_up()
+    w, lt = p.worker, p.grammars._ll_tok
+    assert w is not None and w.dead is None and lt is not None
+    out = llm.generate(["Answer:"] * 3, _params()[:3])
+    assert p.worker is w and p.grammars._ll_tok is lt  # nothing built again
+    assert all(o.outputs[0].error is None for o in out)
+    p.close()
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_WARMUP", "1")  # (the default; conftest turns it off)
+    core = make_engine(chat_dir, core="process", fault=f"{__name__}:_assert_warm")
+    core.shutdown()
+    tiny = write_test_checkpoint(chat_dir.parent / "tiny-no-tok", "tiny")
+    assert not (tiny / "tokenizer.json").exists()
+    assert not LLM(str(tiny), backend="numpy", max_model_len=64).engine.processors.warm_up()

@@ -44,8 +44,10 @@ def valid(obj: object) -> bool:
 
 @pytest.fixture(scope="module")
 def server(chat_dir: Path) -> Iterator[OpenAIServer]:
-    with running_server(make_engine(chat_dir, core=SERVER_CORE, max_model_len=256,
-                                    max_num_seqs=8), served_model_name="tiny-chat") as s:
+    with pytest.MonkeyPatch.context() as mp:  # (the default: conftest turns it off elsewhere)
+        mp.setenv("CUTEINFER_GRAMMAR_WARMUP", "1")
+        engine = make_engine(chat_dir, core=SERVER_CORE, max_model_len=256, max_num_seqs=8)
+    with running_server(engine, served_model_name="tiny-chat") as s:
         yield s
 
 

@@ -24,7 +24,7 @@ import time
 import traceback
 from typing import Any
 
-from engine import tracepoints
+from engine import envs, tracepoints
 
 GAUGE_INTERVAL_S = 0.1
 IDLE_POLL_MS = 100
@@ -74,6 +74,12 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str, ready: Any, heartbea
         from engine.engine import LLMEngine
 
         eng = LLMEngine(args, process_outputs=False)
+        if envs.grammar_warmup():
+            try:
+                eng.processors.warm_up()
+            except Exception as e:  # noqa: BLE001 -- the first constrained request says why
+                log.warning("structured output could not be made ready: %s: %s",
+                            type(e).__name__, e)
         if fault:
             import importlib
 
