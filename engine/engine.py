@@ -12,6 +12,7 @@ only the requests in it (finish_reason ``"error"``, pages freed); the engine kee
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +39,8 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.speculative import build_dflash_proposer
 from engine.step import StepOutput, build_batch
 from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "RequestError", "check_text"]
 
@@ -387,8 +390,8 @@ class LLMEngine(OutputViews):
         if nxt is not None and launched is None:
             if gated and self.executor.can_gate(batch):
                 launched = self._start_gated(batch, src)
-            else:
-                if gated:  # (its bucket has no heads / tail graphs yet): deferred instead
+            if launched is None:
+                if gated:  # (no heads / tail graphs yet, or the gated launch failed): deferred
                     gated, batch.procs = False, None
                 launched = self._start(batch, src, deferred)
         if self._gate_job is not None:
@@ -455,18 +458,23 @@ class LLMEngine(OutputViews):
         return all(s.request.procs is None or s.request.procs.gated_ahead() for s in nxt.seqs)
 
     def _start_gated(self, batch: Any, src_rows: np.ndarray
-                     ) -> tuple[Any, tuple[set[int] | None, str] | None]:
+                     ) -> tuple[Any, tuple[set[int] | None, str] | None] | None:
         """Launch a gated step (``launch_gated``): its gate stays in ``self._gate`` until a job
-        that opens it is sent (``_open_gate`` otherwise)."""
+        that opens it is sent (``_open_gate`` otherwise). None when the gated launch failed
+        (e.g. the device would not map the worker's memory): the step is then launched
+        deferred, as every later one (no request fails for it)."""
         w = self.processors.worker
         self._gate = gate = _Gate(w, w.next_gate(), batch.procs.grammar_keys or [])
         try:
             handle = self.executor.launch_gated(batch, src_rows, gate)
             self._mark()
             return handle, None
-        except Exception as e:  # fail this step's requests (or rows) only; keep serving
+        except Exception as e:  # noqa: BLE001
             self._open_gate()
-            return None, _failure(e)
+            self._gate_on = False
+            log.warning("gated launch failed (%s: %s); steps with grammar rows are launched "
+                        "deferred from now on", type(e).__name__, e)
+            return None
 
     def _open_gate(self) -> None:
         """Release a gated step no job will release: its grammar rows run unmasked (their

@@ -338,6 +338,44 @@ def test_gated_steps_equal_synchronous_in_process(chat_dir: Path, monkeypatch) -
     llm.engine.processors.close()
 
 
+class _FailingGate(GatedNumpy):
+    """``launch_gated`` fails once after ``after`` gated launches (as when the device will not
+    map the worker's memory), before anything is queued."""
+
+    def __init__(self, inner, after: int) -> None:
+        super().__init__(inner)
+        self.after, self.failed = after, 0
+
+    def launch_gated(self, batch, src_rows, gate):
+        if self.gated >= self.after and not self.failed:
+            self.failed += 1
+            raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_FAKE")
+        return super().launch_gated(batch, src_rows, gate)
+
+
+def test_a_failed_gated_launch_falls_back_to_deferred_steps(chat_dir: Path, monkeypatch,
+                                                            caplog) -> None:
+    """A gated launch that fails (here the third) fails no request: that step and every later
+    one are launched deferred (the gate is opened, gating turned off with a warning), and the
+    outputs equal synchronous in-process scheduling token for token."""
+    opts = dict(backend="numpy", max_model_len=256, max_num_seqs=8)
+    ps = _params(bad_words=False)
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "0")
+    want = LLM(str(chat_dir), async_scheduling=False, **opts).generate(["Answer:"] * 12, ps)
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
+    llm = LLM(str(chat_dir), async_scheduling=True, **opts)
+    ex = llm.engine.executor = _FailingGate(llm.engine.executor, after=2)
+    llm.engine._gate_on = True
+    with caplog.at_level("WARNING", logger="engine.engine"):
+        got = llm.generate(["Answer:"] * 12, ps)
+    for g, x in zip(got, want, strict=True):
+        a, b = g.outputs[0], x.outputs[0]
+        assert (a.token_ids, a.finish_reason, a.error) == (b.token_ids, b.finish_reason, None)
+    assert ex.failed == 1 and ex.gated == 2 and not llm.engine._gate_on
+    assert llm.engine._gate is None and "launched deferred from now on" in caplog.text
+    llm.engine.processors.close()
+
+
 def test_a_dead_worker_opens_the_gate(chat_dir: Path, worker_env) -> None:
     """Killing the worker while gated steps run: no step waits for ever (the engine opens the
     gate of the step in flight), the constrained requests end with an error naming the worker,
