@@ -292,6 +292,7 @@ class LogitsProcessorState:
         # CUTEINFER_GRAMMAR_PROCESS: the matchers live in a worker process (started on the
         # first constrained request; a fresh one after a worker died)
         self.remote = envs.grammar_process()
+        self.warm = False  # ``warm_up`` ran: the worker (or this process) has its tokenizer
         self.worker: GrammarWorker | None = None
         self._keys = itertools.count(1)
         self.num_rows = num_slots
@@ -322,22 +323,47 @@ class LogitsProcessorState:
             self.worker = w
         return w
 
+    def _remote(self, text: str) -> RemoteStructured | None:
+        """A matcher of ``text`` in the grammar worker, which compiles it first (GrammarError:
+        it does not compile); a worker found dead is replaced once. None: no worker could be
+        started (the matchers stay in this process)."""
+        for attempt in (0, 1):
+            w = self._worker()
+            if w is None:
+                return None
+            key = next(self._keys)
+            try:
+                w.add_checked(key, text)
+                return RemoteStructured(key, w)
+            except GrammarError:
+                if w.dead is None or attempt:
+                    raise
+        return None
+
     def warm_up(self) -> bool:
         """Make structured output ready before the first constrained request arrives: start the
-        grammar worker (it builds its llguidance tokenizer as it starts) and build this
-        process's (grammars are compiled here to refuse a bad one at admission). Built lazily
-        instead, the first constrained request stalls every running request while llguidance
-        holds the GIL (~2 s for Qwen3's vocabulary). False when structured output cannot run
-        here (no tokenizer, no llguidance); the first request then says why."""
+        grammar worker and wait until it has built its llguidance tokenizer (a first grammar
+        compiled there), or, with the matchers in this process, build that tokenizer here.
+        Lazily, the first constrained request waits for it (~2 s for Qwen3's vocabulary), and
+        with it every running request (in this process llguidance holds the GIL meanwhile).
+        False when structured output cannot run here (no tokenizer, no llguidance); the first
+        request then says why."""
         if self.grammars.tokenizer is None:
             return False
         try:
             import llguidance  # noqa: F401
         except ImportError:
             return False
-        if self.remote:
-            self._worker()
+        if self.remote and self._worker() is not None:
+            from llguidance import LLMatcher
+
+            s = self._remote(LLMatcher.grammar_from_regex("a"))  # (waits for its tokenizer)
+            if s is not None:
+                s.close()
+                self.warm = True
+                return True
         self.grammars.ll_tokenizer()
+        self.warm = True
         return True
 
     def close(self) -> None:
@@ -361,14 +387,8 @@ class LogitsProcessorState:
         if p.structured_outputs is not None:
             text = p.structured_outputs.grammar_text
             try:
-                w = None
-                if self.remote:  # (the worker first: it builds its tokenizer meanwhile)
-                    w = self._worker()
-                    self.grammars.check(text)
-                if w is not None:
-                    structured = RemoteStructured(next(self._keys), w)
-                    w.add(structured.key, text)
-                else:
+                structured = self._remote(text) if self.remote else None
+                if structured is None:
                     structured = self.grammars.matcher(text)
             except GrammarError as e:
                 raise ProcessorError(f"structured_outputs: {e}") from None

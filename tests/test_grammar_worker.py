@@ -99,6 +99,39 @@ def test_worker_outcomes_and_masks_equal_in_process_matchers(tokenizer: Tokenize
     assert w.proc.poll() is not None  # the process exited
 
 
+def test_checked_adds_answer_compile_errors_and_a_dead_worker_is_replaced(
+        tokenizer: Tokenizer, chat_dir: Path, worker_env) -> None:
+    """``add_checked`` (admission): a grammar that does not compile in the worker is a
+    GrammarError with llguidance's message, after the job in flight was read, and the worker
+    serves on; through the engine, a request whose worker was killed is admitted by a fresh
+    worker, not refused."""
+    from engine.structured.grammar import GrammarError
+
+    w = GrammarWorker(tokenizer.backend_tokenizer.to_str(), VOCAB, EOS, max_rows=4)
+    try:
+        w.add_checked(1, GRAMMARS[2])
+        job = w.submit([], [], [1])  # (in flight: add_checked reads its answers first)
+        with pytest.raises(GrammarError) as e:
+            w.add_checked(2, "%llguidance {}\nstart: (((")
+        assert str(e.value) and w.dead is None
+        assert job.exception() is None and _bits(job.mask).sum() > 0
+        w.add_checked(3, GRAMMARS[0])
+        job = w.submit([], [], [3, 1])
+        job.result()
+        assert _bits(job.mask).sum(axis=1).min() > 0
+    finally:
+        w.close()
+    llm = LLM(str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=4)
+    p = llm.engine.processors
+    assert p.warm_up()
+    first = p.worker
+    os.kill(first.proc.pid, signal.SIGKILL)
+    first.proc.wait()
+    out = llm.generate(["Answer:"], _params()[:1])[0].outputs[0]
+    assert out.error is None and p.worker is not first and p.worker.dead is None
+    p.close()
+
+
 def test_worker_refuses_an_unknown_request_and_serves_on(tokenizer: Tokenizer) -> None:
     from engine.structured.grammar import GrammarError
 
@@ -406,7 +439,7 @@ def _assert_warm(eng) -> None:
     """(A fault hook run in the engine core process, after its start-up: refuses to start a
     core whose structured output is not ready.)"""
     p = eng.processors
-    if not (p.worker is not None and p.worker.dead is None and p.grammars._ll_tok is not None):
+    if not (p.warm and p.worker is not None and p.worker.dead is None):
         raise RuntimeError("structured output was not warmed up")
 
 
@@ -421,14 +454,21 @@ def test_warm_up_readies_structured_output_before_the_first_request(
 
     llm = LLM(str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=4)
     p = llm.engine.processors
-    assert p.worker is None and p.grammars._ll_tok is None  # (lazy without a warm-up)
-    assert p.warm_up()
-    w, lt = p.worker, p.grammars._ll_tok
-    assert w is not None and w.dead is None and lt is not None
+    assert p.worker is None and not p.warm  # (lazy without a warm-up)
+    assert p.warm_up() and p.warm
+    w = p.worker
+    assert w is not None and w.dead is None
+    assert w.conn.poll(0) is False  # (the warm-up's compile was answered: the worker is ready)
     out = llm.generate(["Answer:"] * 3, _params()[:3])
-    assert p.worker is w and p.grammars._ll_tok is lt  # nothing built again
-    assert all(o.outputs[0].error is None for o in out)
+    assert p.worker is w and all(o.outputs[0].error is None for o in out)
+    # the grammars compile in the worker alone: this process builds no llguidance tokenizer
+    assert p.grammars._ll_tok is None
     p.close()
+    # in-process matchers: the warm-up builds this process's tokenizer
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "0")
+    q = LLM(str(chat_dir), backend="numpy", max_model_len=256, max_num_seqs=4).engine.processors
+    assert q.warm_up() and q.worker is None and q.grammars._ll_tok is not None
+    monkeypatch.setenv("CUTEINFER_GRAMMAR_PROCESS", "1")
     monkeypatch.setenv("CUTEINFER_GRAMMAR_WARMUP", "1")  # (the default; conftest turns it off)
     core = make_engine(chat_dir, core="process", fault=f"{__name__}:_assert_warm")
     core.shutdown()

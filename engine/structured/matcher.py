@@ -109,12 +109,6 @@ class GrammarCache:
             self._ll_tok = _ll_tokenizer(tk.to_str(), self.vocab_size, self.eos)
         return self._ll_tok
 
-    def check(self, grammar: str) -> None:
-        """GrammarError if ``grammar`` does not compile (compiled once, cached as ``matcher``
-        caches it; no matcher is made)."""
-        with self._lock:
-            self._shards(grammar)
-
     def _shards(self, grammar: str) -> _Shards:
         """``grammar``'s cached shards, compiled now if it is not cached (GrammarError if it
         does not compile); the caller holds the lock."""

@@ -12,8 +12,10 @@ Protocol (one ``multiprocessing.connection.Connection`` over a socket pair; mess
 the first byte says what):
 
 - ``A`` key, grammar text: a matcher for ``key`` (compiled per text, sharded as
-  ``GrammarCache`` does). The main process compiled the text already, so an error here is a
-  worker fault; the key then answers ``ERROR`` at its first advance.
+  ``GrammarCache`` does). Not answered: a grammar that does not compile makes the key answer
+  ``ERROR`` at its first advance.
+- ``C`` key, grammar text: as ``A``, answered ``K`` (compiled) or ``X`` and llguidance's message
+  (the engine's admission check: the main process needs no llguidance tokenizer of its own).
 - ``D`` keys: drop those matchers (requests that finished).
 - ``S`` slot, keys to advance with their tokens, keys to mask: the worker advances, answers
   ``O`` with one outcome byte a key (``Advance`` order: continue, done, error) and the errors'
@@ -219,6 +221,24 @@ class GrammarWorker:
     def add(self, key: int, grammar: str) -> None:
         self._send(b"A" + struct.pack("<q", key) + grammar.encode())
 
+    def add_checked(self, key: int, grammar: str) -> None:
+        """``add``, answered: GrammarError with llguidance's message when ``grammar`` does not
+        compile against the tokenizer (nothing is kept then). Waits for the job in flight
+        first, and, on a fresh worker, for its tokenizer (~2 s for Qwen3's)."""
+        self._drain()
+        self._send(b"C" + struct.pack("<q", key) + grammar.encode())
+        try:
+            if not self.conn.poll(RECV_TIMEOUT_S):  # a hung worker: stopped, as a dead one
+                self.proc.kill()
+                raise EOFError(f"no answer in {RECV_TIMEOUT_S} s; stopped")
+            msg = self.conn.recv_bytes()
+        except (EOFError, OSError) as e:
+            self._died(f"the grammar worker is gone ({type(e).__name__}: {e})")
+        if msg[:1] == b"X":
+            raise GrammarError(msg[1:].decode(errors="replace"))
+        if msg != b"K":
+            self._died(f"the grammar worker answered {msg[:1]!r}, not b'K'")
+
     def drop(self, keys: list[int]) -> None:
         if keys and self.dead is None:
             try:
@@ -349,6 +369,17 @@ def _serve(conn: Connection) -> None:
                 matchers[key] = cache.matcher(msg[9:].decode())
             except Exception as e:  # noqa: BLE001 -- answered at the key's first advance
                 broken[key] = f"{type(e).__name__}: {e}"
+            continue
+        if op == b"C":
+            (key,) = struct.unpack_from("<q", msg, 1)
+            try:
+                matchers[key] = cache.matcher(msg[9:].decode())
+            except GrammarError as e:
+                conn.send_bytes(b"X" + str(e).encode())
+            except Exception as e:  # noqa: BLE001
+                conn.send_bytes(b"X" + f"{type(e).__name__}: {e}".encode())
+            else:
+                conn.send_bytes(b"K")
             continue
         if op == b"D":
             for key in np.frombuffer(msg, np.int64, offset=1).tolist():
