@@ -345,8 +345,8 @@ def _serve(conn: Connection) -> None:
     except Exception:  # noqa: BLE001
         pass
     cache = GrammarCache(tok, cfg["vocab"], tuple(cfg["eos"]), threads=cfg["threads"])
-    try:  # built now (~2 s for Qwen3's), while the main process builds its own to validate the
-        cache.ll_tokenizer()  # first grammar, not after it (a failure shows at the first grammar)
+    try:  # built now (~2 s for Qwen3's), not at the first grammar (the engine's warm-up waits
+        cache.ll_tokenizer()  # for it; a failure shows at the first grammar)
     except Exception:  # noqa: BLE001
         pass
     words = cache.words
