@@ -333,7 +333,7 @@ class LogitsProcessorState:
                 return None
             key = next(self._keys)
             try:
-                w.add_checked(key, text)
+                w.add(key, text)
                 return RemoteStructured(key, w)
             except GrammarError:
                 if w.dead is None or attempt:
@@ -351,18 +351,14 @@ class LogitsProcessorState:
         if self.grammars.tokenizer is None:
             return False
         try:
-            import llguidance  # noqa: F401
+            from llguidance import LLMatcher
         except ImportError:
             return False
-        if self.remote and self._worker() is not None:
-            from llguidance import LLMatcher
-
-            s = self._remote(LLMatcher.grammar_from_regex("a"))  # (waits for its tokenizer)
-            if s is not None:
-                s.close()
-                self.warm = True
-                return True
-        self.grammars.ll_tokenizer()
+        s = self._remote(LLMatcher.grammar_from_regex("a")) if self.remote else None
+        if s is not None:  # (the worker answered a first compile: its tokenizer is built)
+            s.close()
+        else:  # (in this process, or no worker could start)
+            self.grammars.ll_tokenizer()
         self.warm = True
         return True
 

@@ -99,9 +99,9 @@ def test_worker_outcomes_and_masks_equal_in_process_matchers(tokenizer: Tokenize
     assert w.proc.poll() is not None  # the process exited
 
 
-def test_checked_adds_answer_compile_errors_and_a_dead_worker_is_replaced(
+def test_adds_answer_compile_errors_and_a_dead_worker_is_replaced(
         tokenizer: Tokenizer, chat_dir: Path, worker_env) -> None:
-    """``add_checked`` (admission): a grammar that does not compile in the worker is a
+    """``add`` (admission): a grammar that does not compile in the worker is a
     GrammarError with llguidance's message, after the job in flight was read, and the worker
     serves on; through the engine, a request whose worker was killed is admitted by a fresh
     worker, not refused."""
@@ -109,13 +109,13 @@ def test_checked_adds_answer_compile_errors_and_a_dead_worker_is_replaced(
 
     w = GrammarWorker(tokenizer.backend_tokenizer.to_str(), VOCAB, EOS, max_rows=4)
     try:
-        w.add_checked(1, GRAMMARS[2])
-        job = w.submit([], [], [1])  # (in flight: add_checked reads its answers first)
+        w.add(1, GRAMMARS[2])
+        job = w.submit([], [], [1])  # (in flight: add reads its answers first)
         with pytest.raises(GrammarError) as e:
-            w.add_checked(2, "%llguidance {}\nstart: (((")
+            w.add(2, "%llguidance {}\nstart: (((")
         assert str(e.value) and w.dead is None
         assert job.exception() is None and _bits(job.mask).sum() > 0
-        w.add_checked(3, GRAMMARS[0])
+        w.add(3, GRAMMARS[0])
         job = w.submit([], [], [3, 1])
         job.result()
         assert _bits(job.mask).sum(axis=1).min() > 0

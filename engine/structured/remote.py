@@ -12,10 +12,8 @@ Protocol (one ``multiprocessing.connection.Connection`` over a socket pair; mess
 the first byte says what):
 
 - ``A`` key, grammar text: a matcher for ``key`` (compiled per text, sharded as
-  ``GrammarCache`` does). Not answered: a grammar that does not compile makes the key answer
-  ``ERROR`` at its first advance.
-- ``C`` key, grammar text: as ``A``, answered ``K`` (compiled) or ``X`` and llguidance's message
-  (the engine's admission check: the main process needs no llguidance tokenizer of its own).
+  ``GrammarCache`` does), answered ``K``, or ``X`` and llguidance's message when it does not
+  compile (the engine's admission check: the main process needs no llguidance tokenizer).
 - ``D`` keys: drop those matchers (requests that finished).
 - ``S`` slot, keys to advance with their tokens, keys to mask: the worker advances, answers
   ``O`` with one outcome byte a key (``Advance`` order: continue, done, error) and the errors'
@@ -219,14 +217,11 @@ class GrammarWorker:
 
     # -- requests ----------------------------------------------------------------------------
     def add(self, key: int, grammar: str) -> None:
-        self._send(b"A" + struct.pack("<q", key) + grammar.encode())
-
-    def add_checked(self, key: int, grammar: str) -> None:
-        """``add``, answered: GrammarError with llguidance's message when ``grammar`` does not
-        compile against the tokenizer (nothing is kept then). Waits for the job in flight
-        first, and, on a fresh worker, for its tokenizer (~2 s for Qwen3's)."""
+        """A matcher of ``grammar`` for ``key``; GrammarError with llguidance's message when
+        ``grammar`` does not compile against the tokenizer (nothing is kept then). Waits for the
+        job in flight first, and, on a fresh worker, for its tokenizer (~2 s for Qwen3's)."""
         self._drain()
-        self._send(b"C" + struct.pack("<q", key) + grammar.encode())
+        self._send(b"A" + struct.pack("<q", key) + grammar.encode())
         try:
             if not self.conn.poll(RECV_TIMEOUT_S):  # a hung worker: stopped, as a dead one
                 self.proc.kill()
@@ -353,7 +348,6 @@ def _serve(conn: Connection) -> None:
     slots = np.ndarray((SLOTS + 1, cfg["rows"], words), np.uint32, shm.buf)
     flag = np.ndarray((1,), np.uint32, shm.buf, _flag_offset(cfg["rows"], words))
     matchers: dict[int, Any] = {}
-    broken: dict[int, str] = {}
     order = {Advance.CONTINUE: 0, Advance.DONE: 1, Advance.ERROR: 2}
     while True:
         try:
@@ -367,13 +361,6 @@ def _serve(conn: Connection) -> None:
             (key,) = struct.unpack_from("<q", msg, 1)
             try:
                 matchers[key] = cache.matcher(msg[9:].decode())
-            except Exception as e:  # noqa: BLE001 -- answered at the key's first advance
-                broken[key] = f"{type(e).__name__}: {e}"
-            continue
-        if op == b"C":
-            (key,) = struct.unpack_from("<q", msg, 1)
-            try:
-                matchers[key] = cache.matcher(msg[9:].decode())
             except GrammarError as e:
                 conn.send_bytes(b"X" + str(e).encode())
             except Exception as e:  # noqa: BLE001
@@ -384,7 +371,6 @@ def _serve(conn: Connection) -> None:
         if op == b"D":
             for key in np.frombuffer(msg, np.int64, offset=1).tolist():
                 matchers.pop(key, None)
-                broken.pop(key, None)
             continue
         if op != b"S":
             conn.send_bytes(b"E" + f"unknown message {op!r}".encode())
@@ -404,7 +390,7 @@ def _serve(conn: Connection) -> None:
         for i, (key, t) in enumerate(zip(adv, toks, strict=True)):
             st = matchers.get(key)
             if st is None:
-                res, why = Advance.ERROR, broken.get(key, "no matcher for this request")
+                res, why = Advance.ERROR, "no matcher for this request"
             else:
                 try:
                     res = st.accept(t)
@@ -427,7 +413,7 @@ def _serve(conn: Connection) -> None:
                     continue
                 st = matchers.get(key)
                 if st is None:
-                    raise GrammarError(broken.get(key, f"no matcher for request key {key}"))
+                    raise GrammarError(f"no matcher for request key {key}")
                 reqs.append(st)
                 rows.append(k)
             if rows == list(range(len(rows))):
