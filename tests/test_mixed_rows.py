@@ -60,10 +60,11 @@ def test_token_rows_give_the_mixed_steps_logits(llm: LLM) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _fake(buckets: tuple[int, ...] | None) -> types.SimpleNamespace:
+def _fake(buckets: tuple[int, ...] | None, eager: tuple[int, ...] = ()) -> types.SimpleNamespace:
     mixed = None if buckets is None else types.SimpleNamespace(
         buckets=buckets, can_replay=lambda t: t <= buckets[-1])
-    return types.SimpleNamespace(mixed=mixed, token_rows=CudaExecutor.token_rows)
+    return types.SimpleNamespace(mixed=mixed, mixed_eager=eager,
+                                 token_rows=CudaExecutor.token_rows)
 
 
 def test_which_mixed_steps_take_the_row_graphs() -> None:
@@ -75,7 +76,10 @@ def test_which_mixed_steps_take_the_row_graphs() -> None:
 
     b = _mixed(rng, 4000, 1000, 64, [64])
     assert take(on, b)
-    assert not take(_fake(None), b)  # graphs off (eager, env)
+    assert not take(_fake(None), b)  # rows off (CUTEINFER_MIXED_GRAPHS=0), or a graph engine's
+    # test forcing the prefill path
+    eager = _fake(None, (16, 32, 64, 96, 128))  # enforce_eager: the same steps, rows eagerly
+    assert take(eager, b) and not take(eager, _mixed(rng, 4000, 1000, 64, [65]))
     assert not take(on, _mixed(rng, 4000, 1000, 64, [65]))  # 129 tokens
     assert take(on, _mixed(rng, 4000, 1000, 0, [128]))  # a prompt chunk alone
     # plain decode steps replay the decode graphs; verify steps their own
@@ -94,11 +98,12 @@ def test_which_mixed_steps_take_the_row_graphs() -> None:
     assert take(on, near)
 
 
-def test_mixed_buckets_follow_the_config(tmp_path: Path) -> None:
-    """Row graphs exist with graphs on, within the step buffers; the buffers hold 128 rows
-    then even at fewer sequences. With speculation too (its prompt chunks and mixed steps run
-    as the plain engine's do, so its outputs can equal plain decoding's), the buffers holding
-    both the verify rows and the largest mixed bucket."""
+def test_mixed_buckets_follow_the_config(tmp_path: Path, monkeypatch) -> None:
+    """Mixed steps run as rows within the step buffers; the buffers hold 128 rows then even at
+    fewer sequences. Under enforce_eager too (the same rows, eagerly: an eager engine computes
+    a graph engine's bits); none with CUTEINFER_MIXED_GRAPHS=0. With speculation too (its
+    prompt chunks and mixed steps run as the plain engine's do, so its outputs can equal plain
+    decoding's), the buffers holding both the verify rows and the largest mixed bucket."""
     from engine.args import EngineArgs
     from engine.config import ModelConfig
     from engine.executor.cuda_model import MIXED_BUCKETS, Sizes, mixed_buckets
@@ -116,7 +121,8 @@ def test_mixed_buckets_follow_the_config(tmp_path: Path) -> None:
     ec = cfg(max_num_seqs=8, max_num_batched_tokens=64)
     assert mixed_buckets(ec, Sizes.of(mc, ec)) == [16, 32, 64]
     ec = cfg(max_num_seqs=8, enforce_eager=True)
-    assert Sizes.of(mc, ec).b_max == 8 and mixed_buckets(ec, Sizes.of(mc, ec)) == []
+    assert Sizes.of(mc, ec).b_max == 128 and mixed_buckets(ec, Sizes.of(mc, ec)) == list(
+        MIXED_BUCKETS)
     ec = cfg(max_num_seqs=8, speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert mixed_buckets(ec, Sizes.of(mc, ec)) == list(MIXED_BUCKETS)
     assert Sizes.of(mc, ec).b_max == 128
@@ -127,4 +133,9 @@ def test_mixed_buckets_follow_the_config(tmp_path: Path) -> None:
         MIXED_BUCKETS)
     ec = cfg(max_num_seqs=8, enforce_eager=True,
              speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
-    assert mixed_buckets(ec, Sizes.of(mc, ec)) == []
+    assert mixed_buckets(ec, Sizes.of(mc, ec)) == list(MIXED_BUCKETS)
+    monkeypatch.setenv("CUTEINFER_MIXED_GRAPHS", "0")
+    ec = cfg(max_num_seqs=8, enforce_eager=True)
+    assert Sizes.of(mc, ec).b_max == 8 and mixed_buckets(ec, Sizes.of(mc, ec)) == []
+    ec = cfg(max_num_seqs=8)
+    assert Sizes.of(mc, ec).b_max == 8 and mixed_buckets(ec, Sizes.of(mc, ec)) == []

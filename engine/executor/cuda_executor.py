@@ -94,6 +94,9 @@ class _Heads:
 class CudaExecutor(Executor):
     # a DFlash drafter (engine/executor/cuda_dflash.py), with speculative_config "dflash"
     dflash: CudaDrafter | None = None
+    # enforce_eager: the buckets whose rows a mixed step runs eagerly, as the graphs would
+    # (``mixed_rows``; set in ``_allocate``)
+    mixed_eager: tuple[int, ...] = ()
 
     def __init__(self, ckpt: Checkpoint, config: EngineConfig, verbose: bool = True) -> None:
         check_supported(ckpt.config, config.block_size)  # before any GPU work; widths are padded
@@ -180,6 +183,8 @@ class CudaExecutor(Executor):
         self.config = config
         self.page_size = config.block_size
         self.sizes = s = Sizes.of(mc, config)
+        if config.enforce_eager:
+            self.mixed_eager = tuple(mixed_buckets(config, s))
         self.scale = mc.head_dim ** -0.5
         free, total = self.ctx.mem_info()
         ws = self._workspace_bytes()
@@ -610,12 +615,14 @@ class CudaExecutor(Executor):
         mixed-step graph, as ``token_rows``: at most the largest bucket's tokens, no prompt
         logprobs or device drafts, and prompt rows whose contexts sum to at most
         ``MIXED_KV_TOKENS`` or to the decode rows' (the decode kernel reads each row's whole
-        context). None: the step runs eagerly (prefill kernel for its chunks)."""
+        context). None: the step runs eagerly (prefill kernel for its chunks). Under
+        ``enforce_eager`` the same steps run the same rows eagerly (``mixed_eager``)."""
         m = self.mixed
+        bks = m.buckets if m is not None else self.mixed_eager
         t = b.num_tokens
-        if (m is None or b.is_decode or t == 0 or t > m.buckets[-1]
+        if (not bks or b.is_decode or t == 0 or t > bks[-1]
                 or b.prompt_logprob_idx.shape[0] or b.device_drafts.shape[0]
-                or not m.can_replay(t)):
+                or (m is not None and not m.can_replay(t))):
             return None
         rows = self.token_rows(b)
         q = b.query_lens
@@ -730,11 +737,15 @@ class CudaExecutor(Executor):
         elif (rows := self.verify_rows(b)) is not None and rows.num_tokens <= self.sizes.b_max:
             tokens, graph = self._verify(rows, b.num_seqs)
         elif (rows := self.mixed_rows(b)) is not None:
-            assert self.mixed is not None
-            bucket = self.mixed.pad(rows.num_tokens)  # (a lazy capture, before the upload)
-            self.upload_step(rows, pad_to=bucket)
-            self.mixed.replay(bucket)
-            graph = True
+            if self.mixed is not None:
+                bucket = self.mixed.pad(rows.num_tokens)  # (a lazy capture, before the upload)
+                self.upload_step(rows, pad_to=bucket)
+                self.mixed.replay(bucket)
+                graph = True
+            else:  # enforce_eager: the graph's body, over the same padded rows
+                bucket = bucket_for(rows.num_tokens, self.mixed_eager)
+                self.upload_step(rows, pad_to=bucket)
+                self.verify_body(bucket, bucket)
             if s_rows:
                 tokens = self._sampled(b, s_rows)
         else:

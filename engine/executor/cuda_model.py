@@ -85,13 +85,16 @@ class Sizes:
 
 
 def mixed_graphs_on(ec: EngineConfig) -> bool:
-    """Whether mixed steps replay row graphs (``CudaExecutor.mixed_rows``): graphs on and
-    ``CUTEINFER_MIXED_GRAPHS`` not 0. With speculation too: its verify steps take their own
+    """Whether mixed steps of up to 128 tokens run as rows (``CudaExecutor.mixed_rows``):
+    ``CUTEINFER_MIXED_GRAPHS`` not 0. With graphs they replay a row graph of their bucket; under
+    ``enforce_eager`` the same rows, padded to the same bucket, run eagerly, so that an eager
+    engine computes a graph engine's bits (mixed steps are the default beside running streams
+    since mixed_step_tokens is 128 on cuda). With speculation too: its verify steps take their own
     path first (``verify_rows``), and its other steps (prompt chunks, mixed steps) must run
     as a plain engine runs them, or the prompt's forward differs in bits and speculative
     outputs stop equaling plain decoding's (spec 3/5 and dflash 3/9 GPU tests failed that way
     from v27, when only the plain engine replayed them: docs/perf.md v30)."""
-    return not ec.enforce_eager and envs.mixed_graphs()
+    return envs.mixed_graphs()
 
 
 def mixed_buckets(ec: EngineConfig, sizes: Sizes) -> list[int]:
