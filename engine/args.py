@@ -36,6 +36,11 @@ GENERATION_CONFIGS = ("auto", "vllm")
 # embedded model takes 20-35 s on 2 cores, so one long prompt would hold every other request
 # back until its prefill is done; on cuda the whole budget is one fast step (no cap).
 DEFAULT_LONG_PREFILL_TOKENS = {"numpy": 256, "cuda": 0}
+# mixed_step_tokens by default, per backend: on cuda the largest mixed-step CUDA graph (128
+# rows), so that a prompt admitted beside running streams does not stall them (issue 13's ITL
+# aims; the scheduler lifts the cap where it would starve prompts: engine/scheduler.py); numpy
+# has no graphs and its steps are host-bound (no cap).
+DEFAULT_MIXED_STEP_TOKENS = {"numpy": 0, "cuda": 128}
 
 
 # --dflash-draft-model-path DIR (pegainfer's flag): --speculative-config's dflash form
@@ -99,15 +104,17 @@ class EngineArgs:
         "requests' prefills do not stall the running streams. On the H200, qwen3-8b serving 64 "
         "streams, 256 cut the longest inter-token gap from 51 to 23 ms and output throughput "
         "by 11% (docs/perf.md v11).")
-    mixed_step_tokens: int = _option(
-        0, "For chunked prefill, the most tokens one iteration computes in all (decode rows "
+    mixed_step_tokens: int | None = _option(
+        None, "For chunked prefill, the most tokens one iteration computes in all (decode rows "
         "included) while requests decode, at least a quarter of it prompt tokens (0 = no cap): "
-        "a latency knob. On cuda, 128 (the largest mixed-step CUDA graph) makes every such step "
-        "replay a graph. On an H100, qwen3-8b serving 64 streams in waves, the same steps (64 "
-        "decodes + 64 prompt tokens, there from --mixed-prefill-tokens 64) cut ITL p99 from 2.5x "
-        "to 1.5x the median and output throughput by 11% (docs/perf.md v27). Off by default: "
-        "it also slows a burst of admissions, and long prompts 2-3x (docs/perf.md v28; "
-        "python -m tools.sim_schedule compares settings on a workload).")
+        "a latency knob, so that prompts admitted beside running streams do not stall them. On "
+        "cuda, 128 (the largest mixed-step CUDA graph) makes every such step replay a graph. "
+        "Lifted where it would starve prompts: a step whose decode rows read much KV (a burst "
+        "over long shared prefixes) may add prompt tokens in proportion, and once the oldest "
+        "waiting request has waited 0.5 s a step may add 6x it (engine/scheduler.py). If "
+        "unspecified: 128 on cuda, no cap on numpy. On an H100, qwen3-8b serving 64 streams "
+        "in waves, 128 cut ITL p99 from 2.5x to 1.4x the median (docs/perf.md v27, v28, v35); "
+        "0 is throughput-first (python -m tools.sim_schedule compares settings on a workload).")
     speculative_config: str | None = _option(
         None, "Speculative decoding, as JSON (vLLM's --speculative-config): "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
@@ -262,6 +269,9 @@ class EngineArgs:
         lp = self.long_prefill_token_threshold
         if lp is None:
             lp = DEFAULT_LONG_PREFILL_TOKENS[backend]
+        mst = self.mixed_step_tokens
+        if mst is None:
+            mst = DEFAULT_MIXED_STEP_TOKENS[backend]
         from engine.speculative import SpeculativeConfig
 
         spec = SpeculativeConfig.parse(self.speculative_config)
@@ -269,7 +279,8 @@ class EngineArgs:
             spec.check(model_config, backend, self.tensor_parallel_size)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return EngineConfig(**{**values, "backend": backend, "max_model_len": mml,
-                               "long_prefill_token_threshold": lp, "speculative_config": spec})
+                               "long_prefill_token_threshold": lp, "mixed_step_tokens": mst,
+                               "speculative_config": spec})
 
     def _check(self) -> None:
         for f in fields(self):
@@ -289,7 +300,7 @@ class EngineArgs:
         if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0 = no cap), got "
                               f"{self.long_prefill_token_threshold}")
-        if self.mixed_step_tokens < 0:
+        if self.mixed_step_tokens is not None and self.mixed_step_tokens < 0:
             raise ConfigError("mixed_step_tokens must be >= 0 (0 = no cap), got "
                               f"{self.mixed_step_tokens}")
         if self.mixed_prefill_tokens < 0:

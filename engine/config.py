@@ -239,6 +239,16 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.kv_size * dtype_bytes
 
     @property
+    def kv_per_weight(self) -> float:
+        """One token of context's KV bytes over the weight bytes a decode step reads (an untied
+        embedding table contributes only the rows it gathers): a step whose rows read C tokens of
+        context costs about ``1 + C * kv_per_weight`` weight reads (the scheduler's mixed-step
+        lift)."""
+        read = self.num_parameters - (0 if self.tie_word_embeddings
+                                      else self.vocab_size * self.hidden_size)
+        return self.kv_bytes_per_token() / (2 * read)
+
+    @property
     def max_context_len(self) -> int:
         """The longest context the model's RoPE covers: max_model_len's default and bound."""
         return self.rope_scaling.context_len(self.max_position_embeddings)

@@ -185,7 +185,7 @@ class LLMEngine(OutputViews):
         except Exception:
             self.executor.shutdown()
             raise
-        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.scheduler = Scheduler(cfg, self.block_manager, mcfg.kv_per_weight)
         self.scheduler.spec_alone = not self.executor.batch_invariant
         spec = cfg.speculative_config
         if spec is not None and spec.method == "dflash":  # the drafter behind the proposer seam

@@ -82,14 +82,29 @@ class SchedulerOutput:
         return sum([s.num_new for s in self.seqs])
 
 
+# mixed_step_tokens' lifts (Scheduler._prompt_budget; fitted in tools/sim_schedule.py and
+# measured in docs/perf.md v35): prompt tokens a step may add per weight read of KV its decode
+# rows cost (H100: 64 prompt tokens beside 64 qwen3-8b decodes cost ~0.37 weight reads, 48 a
+# read is ~+30% of that read's time); the step cap once more than MIXED_WAITING_X requests
+# wait per decoding one, or the oldest has waited MIXED_WAIT_S: MIXED_LIFT x mixed_step_tokens
+# (768 at 128: qwen3-8b ~26 ms, under 4x its 64-row decode step)
+MIXED_TOKENS_PER_READ = 48
+MIXED_WAITING_X = 4
+MIXED_WAIT_S = 0.5
+MIXED_LIFT = 6
+
+
 def _not_one_token(s: ScheduledRequest) -> bool:
     return s.num_new != 1
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager,
+                 kv_per_weight: float = 0.0) -> None:
         self.config = config
         self.bm = block_manager
+        # ModelConfig.kv_per_weight (mixed_step_tokens' KV-read lift; 0: none)
+        self.kv_per_weight = kv_per_weight
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -223,22 +238,40 @@ class Scheduler:
         a running request decodes (its next token waits for this step); and, with
         mixed_step_tokens T, the step's rows in all: T less the decode rows, at least T / 4
         (admissions go on beside many decodes), so that a mixed step of up to T tokens replays
-        a mixed-step graph on cuda."""
+        a mixed-step graph on cuda. T is lifted where it would starve prompts:
+
+        - decode rows that read C tokens of KV cost about ``C * kv_per_weight`` weight reads
+          beyond the weights; the step may add ``MIXED_TOKENS_PER_READ`` prompt tokens a read
+          (~30% more time): 256 streams over 3,000-token prefixes admit thousands a step;
+        - while more than ``MIXED_WAITING_X`` requests wait per decoding one (a burst), or once
+          the oldest waiting request has waited ``MIXED_WAIT_S`` (long prompts), ``MIXED_LIFT``
+          x T: a step stays under ~5x a decode step, prompts keep most of their throughput.
+        """
         cfg = self.config
         mpt, t = cfg.mixed_prefill_tokens, cfg.mixed_step_tokens
         if not (mpt or t) or not cfg.enable_chunked_prefill or not self.running:
             return budget
-        # the decoding requests: all of them for T, else whether there is one (the first is
-        # nearly always decoding: one look)
-        if t:
-            d = sum(1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens)
-        else:
-            d = next((1 for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens),
-                     0)
+        if not t:  # whether one request decodes (the first nearly always does: one look)
+            if not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
+                return budget
+            return min(budget, mpt)
+        d = kv = 0
+        for r in self.running:
+            n = r.num_computed_tokens
+            if n >= r.num_prompt_tokens:
+                d += 1
+                kv += n
         if not d:
             return budget
         pbudget = min(budget, mpt) if mpt else budget
-        return min(pbudget, max(t - d, t // 4, 1)) if t else pbudget
+        cap = max(t - d, t // 4, 1,
+                  int(MIXED_TOKENS_PER_READ * kv * self.kv_per_weight))
+        if self.waiting and cap < MIXED_LIFT * t:
+            arrival = self.waiting[0].metrics.get("arrival")
+            if len(self.waiting) > MIXED_WAITING_X * d or (
+                    arrival is not None and self.clock() - arrival > MIXED_WAIT_S):
+                cap = MIXED_LIFT * t
+        return min(pbudget, cap)
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
         cfg = self.config

@@ -54,7 +54,11 @@ def test_cli_round_trip_equals_the_kwargs_path() -> None:
     assert args == EngineArgs.from_kwargs(**kw)
     assert args.create_engine_config(MC) == EngineArgs.from_kwargs(**kw).create_engine_config(MC)
     assert dataclasses.asdict(args.create_engine_config(MC)) == {
-        **dataclasses.asdict(EngineArgs()), **kw}
+        **dataclasses.asdict(EngineArgs()), **kw, "mixed_step_tokens": 0}  # numpy's default
+    cuda = dataclasses.replace(args, backend="cuda").create_engine_config(MC, "cuda")
+    assert cuda.mixed_step_tokens == 128
+    assert dataclasses.replace(args, backend="cuda", mixed_step_tokens=0).create_engine_config(
+        MC, "cuda").mixed_step_tokens == 0
 
 
 def test_cli_defaults_are_the_engine_args_defaults() -> None:

@@ -23,10 +23,44 @@ def test_every_request_gets_its_tokens(workload: str) -> None:
 
 
 def test_mixed_step_tokens_keeps_waves_in_graphs() -> None:
-    """Without a cap the next prompts of a wave land in eager steps; with 128 the steps beside
-    decodes fit the mixed-step graphs (a few stay eager: prompt rows that read too much KV)."""
-    base = run("--num-prompts", "96", "--output-len", "32")
-    capped = run("--num-prompts", "96", "--output-len", "32", "--mixed-step-tokens", "128")
+    """Without a cap the next prompts of a wave land in eager steps; with 128 (the cuda
+    default) the steps beside decodes fit the mixed-step graphs (a few stay eager: prompt rows
+    that read too much KV)."""
+    base = run("--num-prompts", "96", "--output-len", "32", "--mixed-step-tokens", "0")
+    capped = run("--num-prompts", "96", "--output-len", "32")
+    assert capped["mixed_step_tokens"] == 128 and base["mixed_step_tokens"] == 0
     assert capped["steps"]["mixed"][0] > base["steps"]["mixed"][0]
     assert capped["steps"]["eager"][0] < base["steps"]["eager"][0]
     assert capped["itl_max_x"] < base["itl_max_x"]
+
+
+def _no_lifts(monkeypatch) -> None:
+    from engine import scheduler
+
+    monkeypatch.setattr(scheduler, "MIXED_TOKENS_PER_READ", 0)
+    monkeypatch.setattr(scheduler, "MIXED_WAITING_X", 10**9)
+    monkeypatch.setattr(scheduler, "MIXED_WAIT_S", float("inf"))
+
+
+def test_the_cap_lifts_where_it_would_starve_prompts(monkeypatch) -> None:
+    """Issue 13's workloads under the default cap with its lifts (engine/scheduler.py
+    ``_prompt_budget``), against no cap and against the bare cap: qwen3-8b's waves keep the
+    capped ITL; a burst over shared 3,000-token prefixes and long prompts keep most of the
+    uncapped TTFT and throughput, where the bare cap loses them."""
+    w = ("--preset", "qwen3-8b", "--workload", "waves")
+    waves, waves0 = run(*w), run(*w, "--mixed-step-tokens", "0")
+    assert waves["itl_p99_x"] <= 1.5 < waves0["itl_p99_x"]
+    assert waves["itl_max_x"] <= 5.0 < waves0["itl_max_x"]
+    assert waves["tok_s"] >= 0.85 * waves0["tok_s"]
+    b = ("--preset", "qwen3-0.6b", "--workload", "burst")
+    burst, burst0 = run(*b), run(*b, "--mixed-step-tokens", "0")
+    lng = ("--preset", "qwen3-8b", "--input-len", "1024", "--max-model-len", "4096",
+           "--num-prompts", "160")
+    long_, long0 = run(*lng), run(*lng, "--mixed-step-tokens", "0")
+    with monkeypatch.context() as m:
+        _no_lifts(m)
+        burst_bare, long_bare = run(*b), run(*lng)
+    assert burst["ttft_mean_ms"] <= 2 * burst0["ttft_mean_ms"]
+    assert burst["ttft_mean_ms"] * 4 < burst_bare["ttft_mean_ms"]
+    assert long_["tok_s"] >= 0.75 * long0["tok_s"]
+    assert long_["tok_s"] > 1.5 * long_bare["tok_s"]

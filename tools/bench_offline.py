@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--vocab-range", type=int, nargs=2, default=[0, 150000])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mixed-step-tokens", type=int, default=0,
-                    help="the engine option of that name (the served run's, to compare alike)")
+    ap.add_argument("--mixed-step-tokens", type=int, default=None,
+                    help="the engine option of that name (the served run's, to compare alike; "
+                    "default: the engine's, 128 on cuda)")
     ap.add_argument("--mixed-prefill-tokens", type=int, default=0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)

@@ -103,7 +103,7 @@ def simulate(a: argparse.Namespace, scheduler_cls: type[Scheduler] = Scheduler) 
                       mixed_prefill_tokens=a.mixed_prefill_tokens)
     cfg = args.create_engine_config(mcfg, backend="cuda")
     bm = BlockManager(a.num_pages, cfg.block_size, enable_prefix_caching=True)
-    sched = scheduler_cls(cfg, bm)
+    sched = scheduler_cls(cfg, bm, mcfg.kv_per_weight)
     now = 0.0
     sched.clock = lambda: now / 1e3  # the scheduler reads simulated seconds
     costs = COSTS[a.preset]
@@ -166,7 +166,7 @@ def simulate(a: argparse.Namespace, scheduler_cls: type[Scheduler] = Scheduler) 
     ntok = sum(len(v) for v in times.values())
     start = min(arrived.values())
     med = float(np.median(itl))
-    res = {"preset": a.preset, "workload": a.workload, "mixed_step_tokens": a.mixed_step_tokens,
+    res = {"preset": a.preset, "workload": a.workload, "mixed_step_tokens": cfg.mixed_step_tokens,
            "mixed_prefill_tokens": a.mixed_prefill_tokens,
            "tok_s": round(ntok / (now - start) * 1e3, 1),
            "tpot_ms": round(float(tpot.mean()), 3),
@@ -198,7 +198,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-seqs", type=int, default=None)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--mixed-step-tokens", type=int, default=0)
+    ap.add_argument("--mixed-step-tokens", type=int, default=None,
+                    help="the engine's option (default: the cuda backend's, 128; 0 = no cap)")
     ap.add_argument("--mixed-prefill-tokens", type=int, default=0)
     ap.add_argument("--num-pages", type=int, default=100000)
     ap.add_argument("--seed", type=int, default=0)
