@@ -110,8 +110,9 @@ class EngineArgs:
         "a latency knob, so that prompts admitted beside running streams do not stall them. On "
         "cuda, 128 (the largest mixed-step CUDA graph) makes every such step replay a graph. "
         "Lifted where it would starve prompts: a step whose decode rows read much KV (a burst "
-        "over long shared prefixes) may add prompt tokens in proportion, and once the oldest "
-        "waiting request has waited 0.5 s a step may add 6x it (engine/scheduler.py). If "
+        "over long shared prefixes) may add prompt tokens in proportion, and during a burst of "
+        "admissions or once the oldest prompt has waited 32 steps a step may add 6x it "
+        "(engine/scheduler.py). If "
         "unspecified: 128 on cuda, no cap on numpy. On an H100, qwen3-8b serving 64 streams "
         "in waves, 128 cut ITL p99 from 2.5x to 1.4x the median (docs/perf.md v27, v28, v35); "
         "0 is throughput-first (python -m tools.sim_schedule compares settings on a workload).")

@@ -70,6 +70,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # prefix-cache hit of the latest admission
     num_preemptions: int = 0
+    sched_step: int = 0  # Scheduler.budget_steps when it was added (the mixed-step wait lift)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     error: str | None = None

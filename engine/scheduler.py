@@ -86,11 +86,13 @@ class SchedulerOutput:
 # measured in docs/perf.md v35): prompt tokens a step may add per weight read of KV its decode
 # rows cost (H100: 64 prompt tokens beside 64 qwen3-8b decodes cost ~0.37 weight reads, 48 a
 # read is ~+30% of that read's time); the step cap once more than MIXED_WAITING_X requests
-# wait per decoding one, or the oldest has waited MIXED_WAIT_S: MIXED_LIFT x mixed_step_tokens
-# (768 at 128: qwen3-8b ~26 ms, under 4x its 64-row decode step)
+# wait per decoding one, or the oldest prompt has waited MIXED_WAIT_STEPS steps (~0.25 s of
+# qwen3-8b's 64-row steps on an H100; 64 kept less of long prompts' throughput in the
+# simulator): MIXED_LIFT x mixed_step_tokens (768 at 128: qwen3-8b ~26 ms, under 4x its
+# 64-row decode step)
 MIXED_TOKENS_PER_READ = 48
 MIXED_WAITING_X = 4
-MIXED_WAIT_S = 0.5
+MIXED_WAIT_STEPS = 32
 MIXED_LIFT = 6
 
 
@@ -105,6 +107,10 @@ class Scheduler:
         self.bm = block_manager
         # ModelConfig.kv_per_weight (mixed_step_tokens' KV-read lift; 0: none)
         self.kv_per_weight = kv_per_weight
+        # steps planned with a prompt budget (mixed_step_tokens' wait lift counts a prompt's
+        # wait in them, not in seconds, so that an offline run schedules the same steps every
+        # time); Request.sched_step is this count when the request was added
+        self.budget_steps = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -123,6 +129,7 @@ class Scheduler:
     # -- queue management ------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
+        req.sched_step = self.budget_steps
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -244,8 +251,10 @@ class Scheduler:
           beyond the weights; the step may add ``MIXED_TOKENS_PER_READ`` prompt tokens a read
           (~30% more time): 256 streams over 3,000-token prefixes admit thousands a step;
         - while more than ``MIXED_WAITING_X`` requests wait per decoding one (a burst), or once
-          the oldest waiting request has waited ``MIXED_WAIT_S`` (long prompts), ``MIXED_LIFT``
-          x T: a step stays under ~5x a decode step, prompts keep most of their throughput.
+          the oldest request with prompt tokens left (waiting, or running a chunked prefill)
+          has waited ``MIXED_WAIT_STEPS`` of these steps (long prompts),
+          ``MIXED_LIFT`` x T: a step stays under ~5x a decode step, prompts keep most of their
+          throughput. Steps, not seconds: the same requests schedule the same steps.
         """
         cfg = self.config
         mpt, t = cfg.mixed_prefill_tokens, cfg.mixed_step_tokens
@@ -255,22 +264,24 @@ class Scheduler:
             if not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
                 return budget
             return min(budget, mpt)
+        self.budget_steps = now = self.budget_steps + 1
         d = kv = 0
+        oldest = self.waiting[0].sched_step if self.waiting else now  # the oldest prompt left
         for r in self.running:
             n = r.num_computed_tokens
             if n >= r.num_prompt_tokens:
                 d += 1
                 kv += n
+            elif r.sched_step < oldest:
+                oldest = r.sched_step
         if not d:
             return budget
         pbudget = min(budget, mpt) if mpt else budget
         cap = max(t - d, t // 4, 1,
                   int(MIXED_TOKENS_PER_READ * kv * self.kv_per_weight))
-        if self.waiting and cap < MIXED_LIFT * t:
-            arrival = self.waiting[0].metrics.get("arrival")
-            if len(self.waiting) > MIXED_WAITING_X * d or (
-                    arrival is not None and self.clock() - arrival > MIXED_WAIT_S):
-                cap = MIXED_LIFT * t
+        if cap < MIXED_LIFT * t and (len(self.waiting) > MIXED_WAITING_X * d
+                                     or now - oldest > MIXED_WAIT_STEPS):
+            cap = MIXED_LIFT * t
         return min(pbudget, cap)
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
