@@ -140,19 +140,18 @@ class OutputProcessor:
             if req.params.stop_strs or req.is_finished:
                 self._update(req)
             elif req.params.logprobs is not None or req.params.prompt_logprobs is not None:
-                st = self._states.get(req.request_id)
-                if st is not None:
-                    self._guarded(req, st, self._decode_logprobs)
+                self._update(req, text=False)
 
-    def _update(self, req: Request) -> None:
-        """Bring ``req``'s text and decoded logprobs up to its tokens."""
+    def _update(self, req: Request, text: bool = True) -> None:
+        """Bring ``req``'s decoded logprobs (and its text) up to its tokens."""
         st = self._states.get(req.request_id)
         if st is None or req.finish_reason in _NO_TEXT:
             return
         if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
             if not self._guarded(req, st, self._decode_logprobs):
                 return
-        self._guarded(req, st, self._text)
+        if text:
+            self._guarded(req, st, self._text)
 
     def _guarded(self, req: Request, st: _State,
                  fn: Callable[[Request, _State], None]) -> bool:
@@ -186,7 +185,7 @@ class OutputProcessor:
             delta = st.detok.step(req.output_token_ids[st.tokens])
             st.tokens += 1
             req.text += delta
-            if stops and delta:
+            if delta:
                 s = self._cut_at_stop_string(req, len(delta))
                 if s is not None:
                     if req.is_finished:  # the same token also hit length / EOS: the string wins
@@ -196,8 +195,7 @@ class OutputProcessor:
                     return
         if req.is_finished:
             req.text += st.detok.finish()
-            if stops:
-                self._cut_at_stop_string(req, len(req.text))
+            self._cut_at_stop_string(req, len(req.text))
 
     @staticmethod
     def _cut_at_stop_string(req: Request, new_chars: int) -> str | None:
