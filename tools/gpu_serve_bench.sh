@@ -2,6 +2,7 @@
 # bash tools/gpu_serve_bench.sh PRESET (a warm call with .whl, and .tok for the Qwen3 tokenizer: CUTEINFER_QWEN3_TOKENIZER):
 # server ready time, serving (text and ids), offline LLM.generate, replay.
 # Env: SERVE_ARGS (more server options), TAG (suffix of the output names), KINDS ("words ids"),
+# BENCH_ARGS (more tools.bench_serving options, e.g. --save-detailed),
 # OFFLINE_ARGS (tools.bench_offline options, e.g. --mixed-step-tokens 128), OFFLINE=0 / REPLAY=0 skip
 # those parts; the engine core writes its step trace to
 # $OUT/trace_$P$TAG.txt (CUTEINFER_STEP_TRACE; tools/step_trace.py reads it).
@@ -20,7 +21,7 @@ t1=$(date +%s.%N); echo "$P server ready in $(python3 -c "print(round($t1-$t0,2)
 for kind in ${KINDS:-words ids}; do
   timeout 200 python3 -m tools.bench_serving --base-url http://127.0.0.1:$PORT --random-input-len 128 \
     --random-output-len 256 --num-prompts ${PROMPTS:-320} --max-concurrency 64 --ignore-eos \
-    --prompt-kind $kind --vocab-range 0 150000 --out "$OUT/serve_${P}${TAG}_$kind.json" 2>&1 | grep -E "tok/s|TPOT|ITL|TTFT|Successful|Failed" | head -20
+    --prompt-kind $kind --vocab-range 0 150000 ${BENCH_ARGS:-} --out "$OUT/serve_${P}${TAG}_$kind.json" 2>&1 | grep -E "tok/s|TPOT|ITL|TTFT|Successful|Failed" | head -20
 done
 curl -s http://127.0.0.1:$PORT/metrics 2>/dev/null | grep -E "^cuteinfer.*(steps|preempt)" | head -5
 kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P$TAG.log"

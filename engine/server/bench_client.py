@@ -51,6 +51,8 @@ class RequestResult:
     stream_errors: int = 0  # error events in the stream
     done: bool = False  # saw "data: [DONE]"
     text: str = ""
+    start: float = 0.0  # time.perf_counter() when sent (CLOCK_MONOTONIC: comparable with the
+    # engine's step trace, which stamps perf_counter in another process of the same host)
 
     @property
     def terminal_events(self) -> int:
@@ -86,6 +88,7 @@ async def send_one(session: aiohttp.ClientSession, url: str,
     """POST one streamed completion and time its chunks."""
     res = RequestResult()
     t0 = time.perf_counter()
+    res.start = t0
     last = t0
     try:
         async with session.post(url, json=payload) as resp:
