@@ -83,17 +83,20 @@ class SchedulerOutput:
 
 
 # mixed_step_tokens' lifts (Scheduler._prompt_budget; fitted in tools/sim_schedule.py and
-# measured in docs/perf.md v35): prompt tokens a step may add per weight read of KV its decode
-# rows cost (H100: 64 prompt tokens beside 64 qwen3-8b decodes cost ~0.37 weight reads, 48 a
-# read is ~+30% of that read's time); the step cap once more than MIXED_WAITING_X requests
-# wait per decoding one, or the oldest prompt has waited MIXED_WAIT_STEPS steps (~0.25 s of
-# qwen3-8b's 64-row steps on an H100; 64 kept less of long prompts' throughput in the
-# simulator): MIXED_LIFT x mixed_step_tokens (768 at 128: qwen3-8b ~26 ms, under 4x its
-# 64-row decode step)
+# measured in docs/perf.md v35-v36): prompt tokens a step may add per weight read of KV its
+# decode rows cost (H100: 64 prompt tokens beside 64 qwen3-8b decodes cost ~0.37 weight reads,
+# 48 a read is ~+30% of that read's time); the step cap MIXED_LIFT x mixed_step_tokens (768 at
+# 128: qwen3-8b ~26 ms, under 4x its 64-row decode step) once more than MIXED_WAITING_X
+# requests wait per decoding one, or the oldest prompt has waited MIXED_WAIT_STEPS steps
+# (~0.35 s of qwen3-8b's 64-row steps on an H100), or -- while at most 1 / MIXED_EARLY_X of
+# max_num_seqs decode -- capped steps could not compute the prompts left before that wait
+# (a wave's refill lifts while few decode rows pay for it, not later beside many: v36's
+# trace, 32 steps, put ~800 ITL samples of a qwen3-8b run in lifted steps)
 MIXED_TOKENS_PER_READ = 48
 MIXED_WAITING_X = 4
-MIXED_WAIT_STEPS = 32
+MIXED_WAIT_STEPS = 48
 MIXED_LIFT = 6
+MIXED_EARLY_X = 2
 
 
 def _not_one_token(s: ScheduledRequest) -> bool:
@@ -250,11 +253,14 @@ class Scheduler:
         - decode rows that read C tokens of KV cost about ``C * kv_per_weight`` weight reads
           beyond the weights; the step may add ``MIXED_TOKENS_PER_READ`` prompt tokens a read
           (~30% more time): 256 streams over 3,000-token prefixes admit thousands a step;
-        - while more than ``MIXED_WAITING_X`` requests wait per decoding one (a burst), or once
+        - while more than ``MIXED_WAITING_X`` requests wait per decoding one (a burst), once
           the oldest request with prompt tokens left (waiting, or running a chunked prefill)
-          has waited ``MIXED_WAIT_STEPS`` of these steps (long prompts),
+          has waited ``MIXED_WAIT_STEPS`` of these steps (long prompts), or, while at most
+          1 / ``MIXED_EARLY_X`` of ``max_num_seqs`` decode, when capped steps would not
+          compute the prompt tokens left before that wait ends (a wave's refill),
           ``MIXED_LIFT`` x T: a step stays under ~5x a decode step, prompts keep most of their
-          throughput. Steps, not seconds: the same requests schedule the same steps.
+          throughput, and few decode rows pay for the lifted steps. Steps, not seconds: the
+          same requests schedule the same steps.
         """
         cfg = self.config
         mpt, t = cfg.mixed_prefill_tokens, cfg.mixed_step_tokens
@@ -265,23 +271,39 @@ class Scheduler:
                 return budget
             return min(budget, mpt)
         self.budget_steps = now = self.budget_steps + 1
-        d = kv = 0
-        oldest = self.waiting[0].sched_step if self.waiting else now  # the oldest prompt left
+        d = kv = left = 0
+        waiting = self.waiting
+        oldest = waiting[0].sched_step if waiting else now  # the oldest prompt left
         for r in self.running:
             n = r.num_computed_tokens
             if n >= r.num_prompt_tokens:
                 d += 1
                 kv += n
-            elif r.sched_step < oldest:
-                oldest = r.sched_step
+            else:
+                left += r.num_prompt_tokens - n
+                if r.sched_step < oldest:
+                    oldest = r.sched_step
         if not d:
             return budget
         pbudget = min(budget, mpt) if mpt else budget
         cap = max(t - d, t // 4, 1,
                   int(MIXED_TOKENS_PER_READ * kv * self.kv_per_weight))
-        if cap < MIXED_LIFT * t and (len(self.waiting) > MIXED_WAITING_X * d
-                                     or now - oldest > MIXED_WAIT_STEPS):
-            cap = MIXED_LIFT * t
+        if cap < MIXED_LIFT * t:
+            # the prompt tokens that capped steps would compute before the oldest prompt has
+            # waited MIXED_WAIT_STEPS: lift now if they are fewer than the prompt tokens left
+            # (at a wave's refill the decode rows are fewest now; waiting would lift later,
+            # beside more of them)
+            room = (MIXED_WAIT_STEPS - (now - oldest)) * cap
+            if room < 0 or len(waiting) > MIXED_WAITING_X * d:
+                return min(pbudget, MIXED_LIFT * t)
+            if d * MIXED_EARLY_X > self.config.max_num_seqs:
+                return min(pbudget, cap)
+            for r in waiting:
+                if left > room:
+                    break
+                left += len(r.prompt_token_ids) + len(r.output_token_ids) - r.num_computed_tokens
+            if left > room:
+                cap = MIXED_LIFT * t
         return min(pbudget, cap)
 
     def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
@@ -325,7 +347,8 @@ class Scheduler:
             n = total - start  # min(total - start, budget, cap), without the call
             if n > budget:
                 n = budget
-            if n > 1:  # a prefill chunk (or a preempted request's recompute)
+            if n > 1 or start < req.num_prompt_tokens:  # a prefill chunk (its last token
+                # too: a step stays within the cap) or a preempted request's recompute
                 if n > cap:
                     n = cap
                 if n > pbudget:
