@@ -92,11 +92,14 @@ class SchedulerOutput:
 # max_num_seqs decode -- capped steps could not compute the prompts left before that wait
 # (a wave's refill lifts while few decode rows pay for it, not later beside many: v36's
 # trace, 32 steps, put ~800 ITL samples of a qwen3-8b run in lifted steps)
+# (the KV term lifts only to at least MIXED_KV_X x mixed_step_tokens rows: a few tokens past
+# the mixed-step graphs' rows cost an eager step, ~2.8x a qwen3-0.6b decode step)
 MIXED_TOKENS_PER_READ = 48
 MIXED_WAITING_X = 4
 MIXED_WAIT_STEPS = 48
 MIXED_LIFT = 6
 MIXED_EARLY_X = 2
+MIXED_KV_X = 2
 
 
 def _not_one_token(s: ScheduledRequest) -> bool:
@@ -252,7 +255,8 @@ class Scheduler:
 
         - decode rows that read C tokens of KV cost about ``C * kv_per_weight`` weight reads
           beyond the weights; the step may add ``MIXED_TOKENS_PER_READ`` prompt tokens a read
-          (~30% more time): 256 streams over 3,000-token prefixes admit thousands a step;
+          (~30% more time) where that gives ``MIXED_KV_X`` x T rows or more: 256 streams over
+          3,000-token prefixes admit thousands a step;
         - while more than ``MIXED_WAITING_X`` requests wait per decoding one (a burst), once
           the oldest request with prompt tokens left (waiting, or running a chunked prefill)
           has waited ``MIXED_WAIT_STEPS`` of these steps (long prompts), or, while at most
@@ -286,8 +290,10 @@ class Scheduler:
         if not d:
             return budget
         pbudget = min(budget, mpt) if mpt else budget
-        cap = max(t - d, t // 4, 1,
-                  int(MIXED_TOKENS_PER_READ * kv * self.kv_per_weight))
+        cap = max(t - d, t // 4, 1)
+        kvt = int(MIXED_TOKENS_PER_READ * kv * self.kv_per_weight)
+        if kvt > cap and d + kvt >= MIXED_KV_X * t:
+            cap = kvt  # (a few tokens past the graphs' rows would cost an eager step)
         if cap < MIXED_LIFT * t:
             # the prompt tokens that capped steps would compute before the oldest prompt has
             # waited MIXED_WAIT_STEPS: lift now if they are fewer than the prompt tokens left
