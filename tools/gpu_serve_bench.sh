@@ -5,7 +5,8 @@
 # BENCH_ARGS (more tools.bench_serving options, e.g. --save-detailed),
 # OFFLINE_ARGS (tools.bench_offline options, e.g. --mixed-step-tokens 128), OFFLINE=0 / REPLAY=0 skip
 # those parts; the engine core writes its step trace to
-# $OUT/trace_$P$TAG.txt (CUTEINFER_STEP_TRACE; tools/step_trace.py reads it).
+# $OUT/trace_$P$TAG.txt (CUTEINFER_STEP_TRACE; tools/step_trace.py reads it: $OUT/steps_$P$TAG.json,
+# with the ITL tail by step kind when BENCH_ARGS has --save-detailed).
 set -uo pipefail
 source "$(dirname "$0")/gpu_lib.sh"
 P=$1; PORT=8321; export PYTHONUNBUFFERED=1; TAG=${TAG:-}
@@ -26,6 +27,8 @@ done
 curl -s http://127.0.0.1:$PORT/metrics 2>/dev/null | grep -E "^cuteinfer.*(steps|preempt)" | head -5
 kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P$TAG.log"
 unset CUTEINFER_STEP_TRACE
-python3 -m tools.step_trace "$OUT/trace_$P$TAG.txt" 2>&1 | tail -12
+REQ=""; case "${BENCH_ARGS:-}" in *--save-detailed*) REQ="--requests $OUT/serve_$P${TAG}_${KINDS%% *}.json";; esac
+python3 -m tools.step_trace "$OUT/trace_$P$TAG.txt" $REQ --json "$OUT/steps_$P$TAG.json" > /dev/null 2>&1
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k: d[k] for k in ('graph', 'eager', 'itl_tail') if k in d}))" "$OUT/steps_$P$TAG.json" 2>&1 | tail -3
 [ "${OFFLINE:-1}" = 0 ] || timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} ${OFFLINE_ARGS:-} --out "$OUT/offline_$P$TAG.json" 2>&1 | tail -1
 [ "${REPLAY:-1}" = 0 ] || timeout 200 python3 -m tools.bench_decode --preset $P --batch 1,64 --ctx 256 --out "$OUT/replay_$P$TAG.json" 2>&1 | grep -v Warning | tail -3

@@ -1,6 +1,6 @@
 """Break a serving run down by step from the engine's step trace (``CUTEINFER_STEP_TRACE``).
 
-    python -m tools.step_trace TRACE [--json OUT]
+    python -m tools.step_trace TRACE [--requests SERVE.json] [--json OUT]
 
 Each trace line (engine/engine.py ``LLMEngine.step``): start and end (perf_counter), then the
 cumulative steps, tokens and graph steps, then the running and waiting counts after the step,
@@ -9,6 +9,14 @@ Prints, for graph (decode replay) and eager steps: how many, their total and med
 tokens they computed (and, of the graph steps, the mixed ones: those that computed more tokens
 than the requests running before them); the time between steps (the core's own loop: outputs
 sent, commands read); and eager step times by tokens in the step.
+
+``--requests``: a ``tools.bench_serving --save-detailed`` result of the same run (each request's
+send time is ``perf_counter`` of the same host: the trace's clock). Each ITL sample (the time
+between two chunks of a stream) is put beside the engine steps that ended between the two
+chunks, and the tail is told apart by the slowest kind among them (``itl_tail``): how many
+samples at or over p99 and over 1.5x the median span an eager, a mixed-graph or only plain
+decode steps, the p99 without the eager ones, and the delivery jitter (a one-step sample less
+the engine's interval that step ended).
 """
 
 from __future__ import annotations
@@ -72,13 +80,68 @@ def summarize(lines: list[str]) -> dict:
     return out
 
 
+def _kinds(rows: np.ndarray) -> np.ndarray:
+    """Per step: 0 a plain decode graph, 1 a mixed graph, 2 eager (or empty), by the rule of
+    ``summarize``."""
+    tok = np.diff(rows[:, 3], prepend=0)
+    graph = np.diff(rows[:, 4], prepend=0) > 0
+    before = np.concatenate([[0.0], rows[:-1, 5]])
+    return np.where(~graph, 2, np.where(tok > before, 1, 0))
+
+
+def itl_tail(lines: list[str], requests: list[dict]) -> dict:
+    """The ITL samples of ``requests`` (bench_client's detailed results: ``start``, ``ttft``,
+    ``itl`` in seconds) against the steps of the trace ``lines``."""
+    rows = np.array([[float(x) for x in ln.split()] for ln in lines if ln.strip()])
+    t1 = rows[:, 1]
+    kind = _kinds(rows)
+    interval = np.diff(t1, prepend=t1[0]) * 1e3
+    ms, a_t, b_t = [], [], []
+    for r in requests:
+        t = r["start"] + r["ttft"]
+        for x in r["itl"]:
+            ms.append(x * 1e3)
+            a_t.append(t)
+            t += x
+            b_t.append(t)
+    if not ms:
+        return {"samples": 0}
+    itl, a, b = np.array(ms), np.searchsorted(t1, a_t, "right"), np.searchsorted(t1, b_t, "right")
+    worst = np.array([kind[i:j].max() if j > i else -1 for i, j in zip(a, b, strict=True)])
+    med, p99 = float(np.median(itl)), float(np.percentile(itl, 99))
+    names = {-1: "no_step", 0: "decode", 1: "mixed", 2: "eager"}
+
+    def by_kind(m: np.ndarray) -> dict:
+        return {names[k]: int((worst[m] == k).sum()) for k in names}
+
+    one = (b - a) == 1
+    lag = itl[one] - interval[b[one] - 1]
+    out = {"samples": int(itl.size), "p50_ms": med, "p99_ms": p99, "p99_x": p99 / med,
+           "max_ms": float(itl.max()),
+           "at_or_over_p99": by_kind(itl >= p99), "over_1_5x": by_kind(itl > 1.5 * med),
+           "in_window": by_kind(np.ones(itl.size, bool)),
+           "multi_step_windows": int(((b - a) > 1).sum())}
+    rest = itl[worst != 2]
+    if rest.size:
+        out["p99_x_without_eager"] = float(np.percentile(rest, 99)) / med
+    if lag.size:
+        out["jitter_ms_p1_p50_p99"] = [float(v) for v in np.percentile(lag, [1, 50, 99])]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("trace")
+    ap.add_argument("--requests", default=None,
+                    help="bench_serving --save-detailed JSON of the same run: the ITL tail")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     with open(a.trace) as f:
-        s = summarize(f.readlines())
+        lines = f.readlines()
+    s = summarize(lines)
+    if a.requests:
+        with open(a.requests) as f:
+            s["itl_tail"] = itl_tail(lines, json.load(f)["requests"])
     text = json.dumps(s, indent=1)
     print(text)
     if a.json:
