@@ -87,16 +87,17 @@ class SchedulerOutput:
 # decode rows cost (H100: 64 prompt tokens beside 64 qwen3-8b decodes cost ~0.37 weight reads,
 # 48 a read is ~+30% of that read's time); the step cap MIXED_LIFT x mixed_step_tokens (768 at
 # 128: qwen3-8b ~26 ms, under 4x its 64-row decode step) once more than MIXED_WAITING_X
-# requests wait per decoding one, or the oldest prompt has waited MIXED_WAIT_STEPS steps
-# (~0.35 s of qwen3-8b's 64-row steps on an H100), or -- while at most 1 / MIXED_EARLY_X of
-# max_num_seqs decode -- capped steps could not compute the prompts left before that wait
-# (a wave's refill lifts while few decode rows pay for it, not later beside many: v36's
-# trace, 32 steps, put ~800 ITL samples of a qwen3-8b run in lifted steps)
+# requests wait per decoding one, or the oldest prompt has waited MIXED_WAIT_STEPS steps,
+# scaled by (seats + decode rows) / seats (20-40 steps: a lifted step beside many decode rows
+# puts many ITL samples in a slow step, beside few it costs little), or -- while at most
+# 1 / MIXED_EARLY_X of the seats decode -- capped steps could not compute the prompts left
+# before that wait ends (a wave's refill lifts while few decode rows pay for it; v36's trace:
+# lifts beside 41-59 decode rows held 633 of qwen3-8b's 816 ITL samples at or over p99)
 # (the KV term lifts only to at least MIXED_KV_X x mixed_step_tokens rows: a few tokens past
 # the mixed-step graphs' rows cost an eager step, ~2.8x a qwen3-0.6b decode step)
 MIXED_TOKENS_PER_READ = 48
 MIXED_WAITING_X = 4
-MIXED_WAIT_STEPS = 48
+MIXED_WAIT_STEPS = 20
 MIXED_LIFT = 6
 MIXED_EARLY_X = 2
 MIXED_KV_X = 2
@@ -259,9 +260,10 @@ class Scheduler:
           3,000-token prefixes admit thousands a step;
         - while more than ``MIXED_WAITING_X`` requests wait per decoding one (a burst), once
           the oldest request with prompt tokens left (waiting, or running a chunked prefill)
-          has waited ``MIXED_WAIT_STEPS`` of these steps (long prompts), or, while at most
-          1 / ``MIXED_EARLY_X`` of ``max_num_seqs`` decode, when capped steps would not
-          compute the prompt tokens left before that wait ends (a wave's refill),
+          has waited ``MIXED_WAIT_STEPS`` x (seats + decode rows) / seats of these steps
+          (long prompts), or, while at most 1 / ``MIXED_EARLY_X`` of ``max_num_seqs`` decode,
+          when capped steps would not compute the prompt tokens left before that wait ends
+          (a wave's refill),
           ``MIXED_LIFT`` x T: a step stays under ~5x a decode step, prompts keep most of their
           throughput, and few decode rows pay for the lifted steps. Steps, not seconds: the
           same requests schedule the same steps.
@@ -295,14 +297,15 @@ class Scheduler:
         if kvt > cap and d + kvt >= MIXED_KV_X * t:
             cap = kvt  # (a few tokens past the graphs' rows would cost an eager step)
         if cap < MIXED_LIFT * t:
+            seats = self.config.max_num_seqs
             # the prompt tokens that capped steps would compute before the oldest prompt has
-            # waited MIXED_WAIT_STEPS: lift now if they are fewer than the prompt tokens left
+            # waited its steps: lift now if they are fewer than the prompt tokens left
             # (at a wave's refill the decode rows are fewest now; waiting would lift later,
             # beside more of them)
-            room = (MIXED_WAIT_STEPS - (now - oldest)) * cap
+            room = (MIXED_WAIT_STEPS * (seats + d) // seats - (now - oldest)) * cap
             if room < 0 or len(waiting) > MIXED_WAITING_X * d:
                 return min(pbudget, MIXED_LIFT * t)
-            if d * MIXED_EARLY_X > self.config.max_num_seqs:
+            if d * MIXED_EARLY_X > seats:
                 return min(pbudget, cap)
             for r in waiting:
                 if left > room:

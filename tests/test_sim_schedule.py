@@ -30,8 +30,9 @@ def test_mixed_step_tokens_keeps_waves_in_graphs() -> None:
     capped = run("--num-prompts", "96", "--output-len", "32")
     assert capped["mixed_step_tokens"] == 128 and base["mixed_step_tokens"] == 0
     assert capped["steps"]["mixed"][0] > base["steps"]["mixed"][0]
-    # a refill in lifted steps of 768 tokens instead of 2,048: as many, or one more
-    assert capped["steps"]["eager"][0] <= base["steps"]["eager"][0] + 1
+    # a refill in lifted steps of 768 tokens instead of 2,048: a few more of them, less time
+    (n, ms), (n0, ms0) = capped["steps"]["eager"], base["steps"]["eager"]
+    assert n <= 2 * n0 and n * ms < n0 * ms0
     assert capped["steps"]["eager"][1] < 0.6 * base["steps"]["eager"][1]  # median eager ms
     assert capped["itl_max_x"] < base["itl_max_x"]
 
@@ -163,7 +164,7 @@ def test_the_kv_lift_does_not_leave_the_graphs_for_a_few_tokens(monkeypatch) -> 
     with monkeypatch.context() as m:
         m.setattr(scheduler, "MIXED_KV_X", 0)
         waves0, burst0 = run(*w), run(*b)
-    assert waves["steps"]["eager"][0] * 10 <= waves0["steps"]["eager"][0]
+    assert waves["steps"]["eager"][0] * 5 <= waves0["steps"]["eager"][0]
     assert waves["tok_s"] > 1.02 * waves0["tok_s"]
     assert waves["itl_p99_x"] < waves0["itl_p99_x"]
     assert burst["ttft_mean_ms"] <= 1.05 * burst0["ttft_mean_ms"]
