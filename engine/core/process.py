@@ -90,6 +90,9 @@ def run_engine_core(args: Any, in_addr: str, out_addr: str, ready: Any, heartbea
     except BaseException as e:  # noqa: BLE001 -- reported to the parent, which raises it
         ready.send(("error", f"{type(e).__name__}: {e}"))
         return
+    from engine.core import freeze_heap
+
+    info["gc_frozen"] = freeze_heap()  # start-up's objects out of the loop's collections
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.connect(in_addr)

@@ -29,6 +29,7 @@ from types import FrameType
 
 import uvicorn
 
+from engine.core import freeze_heap
 from engine.core.client import MultiprocessEngine
 from engine.engine import LLMEngine
 from engine.model.hub import model_name
@@ -152,6 +153,7 @@ class OpenAIServer:
             # uvicorn installs its handlers only while it serves: these cover before and after
             for sig in (signal.SIGINT, signal.SIGTERM):
                 previous[sig] = signal.signal(sig, self._on_signal)
+        freeze_heap()  # this process's start-up objects out of its full collections
         try:
             self.uvicorn.run()
         finally:
