@@ -82,19 +82,12 @@ class SchedulerOutput:
         return sum([s.num_new for s in self.seqs])
 
 
-# mixed_step_tokens' lifts (Scheduler._prompt_budget; fitted in tools/sim_schedule.py and
-# measured in docs/perf.md v35-v36): prompt tokens a step may add per weight read of KV its
-# decode rows cost (H100: 64 prompt tokens beside 64 qwen3-8b decodes cost ~0.37 weight reads,
-# 48 a read is ~+30% of that read's time); the step cap MIXED_LIFT x mixed_step_tokens (768 at
-# 128: qwen3-8b ~26 ms, under 4x its 64-row decode step) once more than MIXED_WAITING_X
-# requests wait per decoding one, or the oldest prompt has waited MIXED_WAIT_STEPS steps,
-# scaled by (seats + decode rows) / seats (20-40 steps: a lifted step beside many decode rows
-# puts many ITL samples in a slow step, beside few it costs little), or -- while at most
-# 1 / MIXED_EARLY_X of the seats decode -- capped steps could not compute the prompts left
-# before that wait ends (a wave's refill lifts while few decode rows pay for it; v36's trace:
-# lifts beside 41-59 decode rows held 633 of qwen3-8b's 816 ITL samples at or over p99)
-# (the KV term lifts only to at least MIXED_KV_X x mixed_step_tokens rows: a few tokens past
-# the mixed-step graphs' rows cost an eager step, ~2.8x a qwen3-0.6b decode step)
+# mixed_step_tokens' lifts (Scheduler._prompt_budget says what each does; fitted in
+# tools/sim_schedule.py, measured in docs/perf.md v35-v36): 48 prompt tokens a weight read of
+# decode-row KV (~+30% of that read's time on an H100), where that gives at least 2 x T rows (a
+# few tokens past the graphs' rows cost an eager step); lifted steps of 6 x T (768: qwen3-8b
+# ~26 ms, under 4x its 64-row decode step); a burst is more than 4 waiting per decoding one; a
+# prompt waits 20-40 steps; the early lift only while at most half the seats decode
 MIXED_TOKENS_PER_READ = 48
 MIXED_WAITING_X = 4
 MIXED_WAIT_STEPS = 20
@@ -297,7 +290,7 @@ class Scheduler:
         if kvt > cap and d + kvt >= MIXED_KV_X * t:
             cap = kvt  # (a few tokens past the graphs' rows would cost an eager step)
         if cap < MIXED_LIFT * t:
-            seats = self.config.max_num_seqs
+            seats = cfg.max_num_seqs
             # the prompt tokens that capped steps would compute before the oldest prompt has
             # waited its steps: lift now if they are fewer than the prompt tokens left
             # (at a wave's refill the decode rows are fewest now; waiting would lift later,

@@ -27,15 +27,27 @@ import json
 import numpy as np
 
 
+def _rows(lines: list[str]) -> np.ndarray:
+    return np.array([[float(x) for x in ln.split()] for ln in lines if ln.strip()])
+
+
+def _tokens_graph_mixed(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per step: the tokens it computed, whether it replayed a graph, and whether that graph
+    was a mixed step's (more tokens than the requests running before it: a decode step
+    computes one token for each)."""
+    tok = np.diff(rows[:, 3], prepend=0)
+    graph = np.diff(rows[:, 4], prepend=0) > 0
+    before = np.concatenate([[0.0], rows[:-1, 5]])
+    return tok, graph, graph & (tok > before)
+
+
 def summarize(lines: list[str]) -> dict:
-    rows = np.array([[float(x) for x in ln.split()] for ln in lines if ln.strip()])
+    rows = _rows(lines)
     if rows.shape[0] < 2:
         return {"steps": int(rows.shape[0])}
     t0, t1 = rows[:, 0], rows[:, 1]
     dur = (t1 - t0) * 1e3
-    tok = np.diff(rows[:, 3], prepend=rows[0, 3] - 0)
-    tok[0] = rows[0, 3]
-    graph = np.diff(rows[:, 4], prepend=0) > 0
+    tok, graph, mixed = _tokens_graph_mixed(rows)
     stepped = np.diff(rows[:, 2], prepend=0) > 0  # not a failed / empty step
     gaps = (t0[1:] - t1[:-1]) * 1e3
     busy = gaps < 50  # gaps longer than this: the engine was idle (no work), not slow
@@ -47,10 +59,7 @@ def summarize(lines: list[str]) -> dict:
                      "ms_p90": float(np.percentile(d, 90)) if d.size else None,
                      "ms_max": float(d.max()) if d.size else None,
                      "tokens": int(tok[m].sum())}
-    # graph steps that computed prompt tokens (a mixed-step graph): more tokens than the
-    # requests running before them (a decode step computes one token for each)
-    before = np.concatenate([[0.0], rows[:-1, 5]])
-    mixed = graph & stepped & (tok > before)
+    mixed &= stepped
     d = dur[mixed]
     out["graph"]["mixed"] = {"n": int(mixed.sum()),
                              "ms_p50": float(np.median(d)) if d.size else None,
@@ -80,21 +89,13 @@ def summarize(lines: list[str]) -> dict:
     return out
 
 
-def _kinds(rows: np.ndarray) -> np.ndarray:
-    """Per step: 0 a plain decode graph, 1 a mixed graph, 2 eager (or empty), by the rule of
-    ``summarize``."""
-    tok = np.diff(rows[:, 3], prepend=0)
-    graph = np.diff(rows[:, 4], prepend=0) > 0
-    before = np.concatenate([[0.0], rows[:-1, 5]])
-    return np.where(~graph, 2, np.where(tok > before, 1, 0))
-
-
 def itl_tail(lines: list[str], requests: list[dict]) -> dict:
     """The ITL samples of ``requests`` (bench_client's detailed results: ``start``, ``ttft``,
     ``itl`` in seconds) against the steps of the trace ``lines``."""
-    rows = np.array([[float(x) for x in ln.split()] for ln in lines if ln.strip()])
+    rows = _rows(lines)
     t1 = rows[:, 1]
-    kind = _kinds(rows)
+    _, graph, mixed = _tokens_graph_mixed(rows)
+    kind = np.where(~graph, 2, np.where(mixed, 1, 0))  # eager (or empty) / mixed / decode
     interval = np.diff(t1, prepend=t1[0]) * 1e3
     ms, a_t, b_t = [], [], []
     for r in requests:

@@ -99,7 +99,7 @@ class MultiprocessEngine(OutputViews):
         self.backend = info["backend"]
         self.num_pages = info["num_pages"]
         self.eos_token_ids = info["eos_token_ids"]
-        self.core_gc_frozen = info.get("gc_frozen", 0)  # objects the core froze (freeze_heap)
+        self.core_gc_frozen = info["gc_frozen"]  # objects the core froze (freeze_heap)
         self.input_processor = InputProcessor(self.tokenizer, mcfg.vocab_size,
                                               cfg.max_model_len, cfg.block_size,
                                               self.num_pages, str(model_dir))
