@@ -61,6 +61,29 @@ def _failure(e: Exception) -> tuple[set[int] | None, str]:
     return rows, f"{type(e).__name__}: {e}"
 
 
+def _no(_handle: Any) -> bool:
+    return False
+
+
+def _src_rows(prev: SchedulerOutput, nxt: SchedulerOutput) -> np.ndarray:
+    """Per token of ``nxt``: the sample row of ``prev`` that is its input (a request ``prev``
+    samples for: its one-token row), or -1 (the token is on the host)."""
+    row: dict[int, int] = {}
+    for s in prev.seqs:
+        if s.sample:
+            row[id(s.request)] = len(row)
+    src: list[int] = []
+    for s in nxt.seqs:
+        r = row.get(id(s.request), -1) if s.num_new == 1 else -1
+        if r >= 0 and s.start < s.request.num_tokens:  # (its input token is known)
+            r = -1
+        if s.num_new == 1:
+            src.append(r)
+        else:
+            src += [-1] * s.num_new
+    return np.array(src, np.int64)
+
+
 @dataclass
 class _Gate:
     """A gated step's gate (engine/structured/remote.py): the worker, the step's sequence number
@@ -216,6 +239,9 @@ class LLMEngine(OutputViews):
         # the next step() call
         self.async_scheduling = bool(cfg.async_scheduling)
         self._pending: tuple[SchedulerOutput, Any, Any] | None = None
+        # a step planned ahead that the executor would run at once: the next call runs it
+        # (after the step before it was completed and its outputs went out)
+        self._after: tuple[SchedulerOutput, Any, np.ndarray] | None = None
         self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks of deferred steps
         self._gate_on = envs.grammar_gate()
         self._gate: _Gate | None = None  # a gated step's gate until a job will open it
@@ -254,7 +280,8 @@ class LLMEngine(OutputViews):
         return self.block_manager.num_pages
 
     def has_unfinished(self) -> bool:
-        return self._pending is not None or self.scheduler.has_work()
+        return (self._pending is not None or self._after is not None
+                or self.scheduler.has_work())
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -280,14 +307,22 @@ class LLMEngine(OutputViews):
     def _step(self) -> list[Request]:
         if self._pending is not None:
             return self._step_pipelined()
+        if self._after is not None:
+            nxt, batch, src = self._after
+            self._after = None
+            return self._complete(nxt, *self._start(batch, src))
         out = self.scheduler.schedule()
         self._mark()
         if not out.seqs:
             return list(out.refused)
         handle, failure = self._launch(out)
         if (self.async_scheduling and failure is None and hasattr(self.executor, "launch")
-                and all(s.num_new == 1 and s.sample for s in out.seqs)):
-            self._pending = (out, handle, None)  # completed by the next step(), overlapped
+                and (all(s.num_new == 1 and s.sample for s in out.seqs)
+                     or getattr(self.executor, "in_flight", _no)(handle))):
+            # completed by the next step(), overlapped with the step after it; a step the
+            # executor ran at once (cuda: eagerly; numpy: all) is completed now, unless it
+            # decodes only (a step planned ahead, after this one, is always pipelined)
+            self._pending = (out, handle, None)
             return list(out.refused)
         return self._complete(out, handle, failure)
 
@@ -341,10 +376,14 @@ class LLMEngine(OutputViews):
             return None, (None, f"{type(e).__name__}: {e}")
 
     def _step_pipelined(self) -> list[Request]:
-        """Async scheduling: plan and launch the step after the one in flight (its input
-        tokens come from that step's samples on the device), then complete the one in flight
-        while the GPU runs the next. A step that is not a plain decode continuation (admissions,
-        prefills, a failure) ends the pipeline: the next call plans normally.
+        """Async scheduling: plan and launch the step after the one in flight (the input
+        tokens of its decode rows come from that step's samples on the device), then complete
+        the one in flight while the GPU runs the next. Steps with prompt tokens (admissions,
+        chunks: ``Scheduler._plan_ahead``) are planned ahead too, and launched ahead where the
+        executor leaves them running (cuda: a mixed-step graph); one it would run at once
+        (an eager prefill) runs in the next call, after the one in flight is complete. A step
+        that cannot be planned ahead (preemption, speculation, logprobs, a failure) ends the
+        pipeline: the next call plans normally.
 
         Steps with logits processors pipeline too (``_Later``): their rows (grammar masks, bad
         words, min_tokens) depend on the tokens of the step before, so step N+1's forward is
@@ -371,10 +410,12 @@ class LLMEngine(OutputViews):
             gated = deferred and self._gateable(nxt)
             batch, bad = self._build(nxt, deferred and not gated, gated)
         launched = None
+        after = False  # nxt runs once out is complete (it cannot be launched behind it)
         if nxt is not None:
-            row = {id(s.request): i for i, s in enumerate(out.seqs)}
-            src = np.array([row[id(s.request)] for s in nxt.seqs], np.int64)
-            if bad is not None:
+            src = _src_rows(out, nxt)
+            if bad is None and not self._launches_async(batch):
+                after, launched = True, (None, None)
+            elif bad is not None:
                 launched = (None, bad)
             elif deferred and not gated and isinstance(handle, _Later):
                 # before out's sampling: the executor stages the next forward and starts it
@@ -403,7 +444,8 @@ class LLMEngine(OutputViews):
         if failure is not None and nxt is not None:
             # the next step's inputs are not valid: discard it, give its slots back first
             self._open_gate()
-            self._finish(*launched)
+            if not after:
+                self._finish(*launched)
             self.scheduler.fail_step(nxt, set(), "the step before it failed")
             nxt = None
         later: list[_Later] = []
@@ -424,11 +466,24 @@ class LLMEngine(OutputViews):
                 later.append(self._prepare_later(nxt, launched[0], early))
         self._open_gate()  # (a gated step whose job was not sent runs unmasked: never waits)
         changed = self._complete(out, step, failure, finished=True, then=then, early=early)
-        if nxt is not None:
+        if after and nxt is not None:
+            # a step the executor would run now, before out's outputs: the next call runs it,
+            # once they went out (its input tokens are out's samples, on the host by then)
+            self._after = (nxt, batch, src)
+        elif nxt is not None:
             if later:
                 launched = (later[0], None)
             self._pending = (nxt, *launched)
         return changed
+
+    def _launches_async(self, batch: Any) -> bool:
+        """Whether the executor leaves ``batch`` running (async scheduling): a step it would
+        run at once is launched after the step in flight is complete. Plain decode steps are
+        always launched ahead (they replay a graph but for a bucket still to capture)."""
+        if batch.is_decode:
+            return True
+        f = getattr(self.executor, "launches_async", None)
+        return True if f is None else f(batch)
 
     def _mask_submit(self) -> Callable[[Callable[[], None]], Any]:
         if self._mask_pool is None:

@@ -220,6 +220,13 @@ def mixed_graphs() -> bool:
     return _flag("CUTEINFER_MIXED_GRAPHS", True)
 
 
+def plan_ahead() -> bool:
+    """Async scheduling plans steps with prompt tokens (admissions, chunks) while the step
+    before is in flight, as it does plain decode steps (``CUTEINFER_PLAN_AHEAD``, default on;
+    0: those steps are planned once the step before is complete, to measure against)."""
+    return _flag("CUTEINFER_PLAN_AHEAD", True)
+
+
 def kernel_cache_enabled() -> bool:
     """Compiled kernels saved to and loaded from disk (``CUTEINFER_KERNEL_CACHE``, default on)."""
     return _flag("CUTEINFER_KERNEL_CACHE", True)

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.kv import BlockManager, OutOfPagesError, PageRefOverflowError
 from engine.request import FinishReason, Logprob, LogprobDict, Request, RequestStatus
@@ -65,6 +66,9 @@ class ScheduledRequest:  # one per request per step: a plain record (frozen cost
     # >= 0: the drafts are left to the device (``DeviceDrafts``): this block of the step's
     # draft launch; ``drafts`` holds placeholders and the step's output carries the real ones
     draft_slot: int = -1
+    # its KV was committed when the step after it was planned (``_plan_ahead``): its input
+    # tokens were known then; ``update_from_output`` only advances the request
+    committed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,13 @@ def _not_one_token(s: ScheduledRequest) -> bool:
     return s.num_new != 1
 
 
+class _NoRoom(Exception):
+    """A step planned ahead would preempt (``_plan_ahead``): ``seqs`` hold slots to undo."""
+
+    def __init__(self, seqs: list[ScheduledRequest]) -> None:
+        self.seqs = seqs
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager,
                  kv_per_weight: float = 0.0) -> None:
@@ -113,6 +124,10 @@ class Scheduler:
         self.budget_steps = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # requests whose step in flight samples their last token, released when the step
+        # after it was planned (``_plan_ahead``); ``finish`` then has nothing to release
+        self._released: set[str] = set()
+        self.plan_ahead = envs.plan_ahead()  # steps with prompt tokens too (``_plan_ahead``)
         self.num_preemptions = 0
         self.spec = config.speculative_config  # engine.speculative.SpeculativeConfig or None
         self.clock: Callable[[], float] = time.perf_counter  # seconds (Request.metrics' clock)
@@ -140,7 +155,9 @@ class Scheduler:
         """Finish a request now; its pages return at once."""
         if req.is_finished:
             return
-        if req.status == RequestStatus.RUNNING:
+        if req.request_id in self._released:  # (by ``_plan_ahead``: its last token came now)
+            self._released.discard(req.request_id)
+        elif req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self.bm.release(req.request_id)
         elif req in self.waiting:
@@ -166,6 +183,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         seqs, preempted = self._schedule()
+        return self._output(seqs, preempted)
+
+    def _output(self, seqs: list[ScheduledRequest], preempted: list[Request]) -> SchedulerOutput:
         if not seqs:
             if self.waiting and not self.running:
                 # The head request cannot fit the KV cache even alone: refuse it, don't spin.
@@ -202,16 +222,15 @@ class Scheduler:
         scheduling runs, row for row (on cuda another step composition means other buckets,
         whose kernels round some rows differently)."""
         cfg, bm = self.config, self.bm
-        if self.waiting and len(self.running) < cfg.max_num_seqs:
-            return None  # admissions to plan
         if self.spec is not None and len(self.running) < self.spec.disable_by_batch_size:
             return None
-        if len(prev.seqs) != len(self.running):
-            return None
+        if ((self.waiting and len(self.running) < cfg.max_num_seqs)
+                or len(prev.seqs) != len(self.running) or any(map(_not_one_token, prev.seqs))):
+            return self._plan_ahead(prev)  # admissions, prompt chunks
         seqs: list[ScheduledRequest] = []
         for s in prev.seqs:
             req = s.request
-            if (s.num_new != 1 or not s.sample or s.drafts or req.is_finished
+            if (not s.sample or s.drafts or req.is_finished
                     or (req.procs is not None and not procs)
                     or req.params.logprobs is not None):
                 return self._undo(seqs)
@@ -219,7 +238,8 @@ class Scheduler:
             if (len(req.output_token_ids) + 2 > req.max_output_tokens
                     or s.start + 2 > cfg.max_model_len):
                 if self.waiting:  # it finishes with prev: its seat goes to a waiting request
-                    return self._undo(seqs)  # now, as synchronous scheduling gives it
+                    self._undo(seqs)  # now, as synchronous scheduling gives it
+                    return self._plan_ahead(prev)
                 continue  # prev's token is its last: it finishes then
             try:
                 slots = bm.append_slots(req.request_id, 1)
@@ -234,11 +254,75 @@ class Scheduler:
                                cfg.max_model_len)
         except PageRefOverflowError:
             return self._undo(seqs)
+        if cfg.mixed_step_tokens and cfg.enable_chunked_prefill:
+            self.budget_steps += 1  # a step with a prompt budget, as ``_prompt_budget`` counts
         return SchedulerOutput(tuple(seqs))
 
     def _undo(self, seqs: list[ScheduledRequest]) -> None:
         for s in seqs:
-            self.bm.rollback(s.request.request_id, 1, s.start)
+            self.bm.rollback(s.request.request_id, s.num_new, s.start)
+
+    def _plan_ahead(self, prev: SchedulerOutput) -> SchedulerOutput | None:
+        """``schedule_continuation`` of a step that is not plain decoding, or beside waiting
+        requests (a mixed step: decode rows beside prompt chunks and admissions): the step
+        ``schedule`` would plan once ``prev`` is complete, planned now. ``prev``'s KV is
+        committed now (its input tokens are known; ``update_from_output`` then only advances its
+        requests), each request ``prev`` samples for holds a placeholder token while
+        ``_schedule`` runs (its row's input is ``prev``'s sample, taken on the device), and the
+        requests whose last token ``prev`` samples (by length) leave the running list and give
+        their pages back now, as they would before a synchronous plan (``finish`` then has
+        nothing to release; the device reuses a page only after ``prev``, in stream order).
+        None (plan once ``prev`` is complete) where the step needs what only the host has or
+        could differ from synchronous scheduling's: a preemption, speculation, logprobs,
+        prompt logprobs or logits processors. A request that a stop token or EOS ends in
+        ``prev`` is found one step late, as in a decode continuation (its row is dropped)."""
+        if self.spec is not None or not self.plan_ahead:
+            return None
+        pending: list[Request] = []  # prev samples their next token
+        ends: list[Request] = []  # prev samples their last token (length)
+        for s in prev.seqs:
+            req = s.request
+            if s.drafts or s.prompt_logprob_positions:
+                return None
+            if req.is_finished:  # (a stop found a step late, an abort: not running now)
+                continue
+            if s.sample:
+                (ends if len(req.output_token_ids) + 1 >= req.max_output_tokens
+                 else pending).append(req)
+        for reqs in (self.running, self.waiting):
+            for r in reqs:
+                if (r.procs is not None or r.params.logprobs is not None
+                        or r.params.prompt_logprobs is not None):
+                    return None
+        bm = self.bm
+        for s in prev.seqs:  # (commit skips pages without a new full one: most rows)
+            req = s.request
+            if req.is_finished:
+                continue
+            req.num_computed_tokens = end = s.start + s.num_new
+            bm.commit(req.request_id, s.start, end, req.token_ids)
+            s.committed = True
+        if ends:  # their seats and pages are free for the plan, as synchronously
+            gone = {id(r) for r in ends}
+            self.running = [r for r in self.running if id(r) not in gone]
+            for req in ends:
+                bm.release(req.request_id)
+                self._released.add(req.request_id)
+        steps = self.budget_steps
+        for req in pending:
+            req.output_token_ids.append(0)
+        try:
+            seqs, _ = self._schedule(ahead=True)
+        except _NoRoom as e:  # (only running requests had slots: rolled back)
+            self._undo(e.seqs)
+            seqs = []
+        finally:
+            for req in pending:
+                req.output_token_ids.pop()
+        if not seqs:
+            self.budget_steps = steps
+            return None
+        return self._output(seqs, [])
 
     def _prompt_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: all of the budget, or mixed_prefill_tokens when
@@ -308,7 +392,9 @@ class Scheduler:
                 cap = MIXED_LIFT * t
         return min(pbudget, cap)
 
-    def _schedule(self) -> tuple[list[ScheduledRequest], list[Request]]:
+    def _schedule(self, ahead: bool = False) -> tuple[list[ScheduledRequest], list[Request]]:
+        """The step's rows; ``ahead`` (``_plan_ahead``): raise ``_NoRoom`` instead of
+        preempting."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens
         # per-request prefill cap (chunked prefill only): a long prompt leaves budget to others
@@ -361,6 +447,8 @@ class Scheduler:
             try:
                 slots = append_slots(rid, n)
             except OutOfPagesError:
+                if ahead:
+                    raise _NoRoom(seqs) from None
                 slots = self._preempt_until_fits(req, n, preempted)
                 if slots is None:
                     break
@@ -490,7 +578,8 @@ class Scheduler:
                 row += 1 + len(s.drafts)
                 continue
             req.num_computed_tokens = end = start + s.num_new
-            commit(req.request_id, start, end, req.token_ids)
+            if not s.committed:
+                commit(req.request_id, start, end, req.token_ids)
             n_pl = 0 if prompt_lps is None else len(s.prompt_logprob_positions)
             if not (s.sample or n_pl):  # a prefill chunk: nothing to append
                 continue
@@ -573,9 +662,15 @@ class Scheduler:
     def fail_step(self, out: SchedulerOutput, rows: set[int] | None,
                   error: str) -> list[Request]:
         """The step did not run. The requests of ``rows`` (all when None) finish with
-        ``error``; the others give their slots back and are scheduled again next step."""
-        failed = [s.request for i, s in enumerate(out.seqs) if rows is None or i in rows]
+        ``error``; the others give their slots back and are scheduled again next step. Rows
+        committed ahead (``_plan_ahead``) fail too, and the prefix cache is dropped: pages
+        they completed are registered, and their KV is not real."""
+        failed = [s.request for i, s in enumerate(out.seqs)
+                  if rows is None or i in rows or s.committed]
         failed_ids = {r.request_id for r in failed}
+        if any(s.committed for s in out.seqs) and self.bm.prefix_caching:
+            self.bm.set_prefix_caching(False)
+            self.bm.set_prefix_caching(True)
         for s in out.seqs:
             if s.request.request_id not in failed_ids and s.request.status == RequestStatus.RUNNING:
                 self.bm.rollback(s.request.request_id, s.num_new, s.start)

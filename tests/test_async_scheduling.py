@@ -124,7 +124,8 @@ def test_length_ended_workloads_run_the_synchronous_steps(tiny: Path) -> None:
         opts = dict(backend="numpy", max_num_seqs=int(rng.integers(2, 9)),
                     max_num_batched_tokens=int(rng.integers(64, 300)),
                     num_gpu_blocks_override=int(rng.integers(60, 120)), max_model_len=256,
-                    enable_prefix_caching=bool(rng.random() < 0.5))
+                    enable_prefix_caching=bool(rng.random() < 0.5),
+                    mixed_step_tokens=int(rng.choice([0, 16, 32])))  # (cuda's cap and lifts)
         sync = LLM(str(tiny), async_scheduling=False, **opts)
         want_steps = _steps(sync)
         want = sync.generate(prompts, params)
@@ -135,6 +136,73 @@ def test_length_ended_workloads_run_the_synchronous_steps(tiny: Path) -> None:
         assert got_steps == want_steps, f"seed {seed}"
         assert seen[0] > 0, f"seed {seed}: the pipeline ran"
         _no_pages_left(llm)
+
+
+def _ahead(llm: LLM) -> list[int]:
+    """[steps planned ahead with prompt tokens (chunks, admissions), steps planned ahead of a
+    step with prompt tokens] from now on (``Scheduler._plan_ahead``)."""
+    sched = llm.engine.scheduler
+    plan = sched._plan_ahead
+    seen = [0, 0]
+
+    def spy(prev):
+        r = plan(prev)
+        if r is not None:
+            seen[0] += any(s.num_new > 1 or s.start < s.request.num_prompt_tokens
+                           for s in r.seqs)
+            seen[1] += any(s.num_new > 1 for s in prev.seqs)
+        return r
+
+    sched._plan_ahead = spy
+    return seen
+
+
+def test_mixed_steps_are_planned_ahead(tiny: Path) -> None:
+    """Steps with prompt tokens (admissions beside decode rows, the next chunk of a prompt)
+    are planned while the step before is in flight, and after such a step too: 2 seats per
+    wave, prompts in chunks of the 16-token cap; row for row the synchronous steps."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    prompts = [rng.integers(5, 300, int(rng.integers(20, 60))).tolist() for _ in range(24)]
+    params = [SamplingParams(temperature=0.0, max_tokens=int(rng.integers(4, 20)),
+                             ignore_eos=True) for _ in prompts]
+    opts = dict(backend="numpy", max_num_seqs=4, mixed_step_tokens=16)
+    sync = LLM(str(tiny), async_scheduling=False, **opts)
+    want_steps = _steps(sync)
+    want = sync.generate(prompts, params)
+    llm = LLM(str(tiny), async_scheduling=True, **opts)
+    seen, got_steps = _ahead(llm), _steps(llm)
+    _same(llm.generate(prompts, params), want, "mixed")
+    assert got_steps == want_steps
+    assert seen[0] >= 10 and seen[1] >= 10, seen
+    _no_pages_left(llm)
+
+
+def test_a_step_that_would_run_at_once_runs_after_the_step_in_flight(tiny: Path) -> None:
+    """A step planned ahead that the executor would run at once (``launches_async`` False:
+    cuda's eager prefills, a graph still to capture) runs once the step in flight is
+    complete, its outputs first: it never delays them."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, 300, int(rng.integers(20, 60))).tolist() for _ in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 10
+    opts = dict(backend="numpy", max_num_seqs=4, mixed_step_tokens=16)
+    want = LLM(str(tiny), async_scheduling=False, **opts).generate(prompts, params)
+    llm = LLM(str(tiny), async_scheduling=True, **opts)
+    eng, ex = llm.engine, llm.engine.executor
+    order: list[str] = []
+    launch, update = ex.launch, eng.scheduler.update_from_output
+    ex.launches_async = lambda b: False
+    ex.launch = lambda b, src=None: (order.append("launch" + "M" * (not b.is_decode)),
+                                     launch(b, src))[1]
+    eng.scheduler.update_from_output = lambda out, st: (order.append("update"),
+                                                        update(out, st))[1]
+    seen = _ahead(llm)
+    _same(llm.generate(prompts, params), want, "after")
+    assert seen[0] > 0
+    # a step with prompt tokens planned ahead launches only after the step before updated
+    for i, e in enumerate(order[1:], 1):
+        if e == "launchM":
+            assert order[i - 1] == "update", order[:i + 1]
+    _no_pages_left(llm)
 
 
 def test_steady_decoding_pipelines_nearly_every_step(tiny: Path) -> None:

@@ -142,6 +142,7 @@ class CudaExecutor(Executor):
         self.fused_spec = (self.dflash is not None and envs.draft_graph()
                            and envs.device_drafts() and envs.fused_spec())
         self._inflight: _Done | _InFlight | None = None  # the last launched step (launch)
+        self._mixed_memo: tuple[StepBatch, StepBatch | None] | None = None  # (_mixed_async)
         # deferred steps (launch_deferred): the last one whose processors have not come yet,
         # and a step queued behind it (its heads replay right after that one's tail)
         self._awaiting: Any = None
@@ -834,6 +835,13 @@ class CudaExecutor(Executor):
         then taken from the previous step's output on the host)."""
         n = b.num_seqs
         g = self.graphs
+        if (rows := self._mixed_async(b)) is not None:  # a mixed step: its rows' graph
+            m = self.mixed
+            self._check(b)
+            bucket = m.plan.bucket(rows.num_tokens)
+            self.upload_step(rows, pad_to=bucket, src_rows=src_rows)
+            m.replay(bucket)
+            return self._download_async(b.sample_token_idx.shape[0])
         # (a bucket still to capture lazily runs synchronously: its warm-up step would
         # overwrite the previous step's samples before they are gathered)
         if not (self._async_ok(b) and g is not None and g.plan.bucket(n) in g.graphs):
@@ -846,6 +854,35 @@ class CudaExecutor(Executor):
             return self._inflight
         self._replay_continuation(g, b, src_rows, procs=True)
         return self._download_async(n)
+
+    def in_flight(self, handle: Any) -> bool:
+        """Whether the launched step ``handle`` still runs (``launch`` ran it at once: no).
+        The engine completes a step that ran at once (unless it is a decode step) rather than
+        keep its outputs while it plans the next."""
+        return not isinstance(handle, _Done)
+
+    def launches_async(self, b: StepBatch) -> bool:
+        """Whether ``launch`` leaves ``b`` running (else it runs it at once)."""
+        g = self.graphs
+        return (self._async_ok(b) and g is not None and g.plan.bucket(b.num_seqs) in g.graphs
+                ) or self._mixed_async(b) is not None
+
+    def _mixed_async(self, b: StepBatch) -> StepBatch | None:
+        """``b``'s token rows (``mixed_rows``) when ``launch`` leaves it running in a captured
+        mixed-step graph: no logits processors or logprobs, no DFlash drafter (each step
+        releases its drafts: those run through ``execute``)."""
+        memo = self._mixed_memo
+        if memo is not None and memo[0] is b:
+            return memo[1]
+        m = self.mixed
+        rows = None
+        if (m is not None and self.dflash is None and not b.is_decode and b.procs is None
+                and not (b.num_logprobs >= 0).any()):
+            rows = self.mixed_rows(b)
+            if rows is not None and m.plan.bucket(rows.num_tokens) not in m.graphs:
+                rows = None  # (a lazy capture would overwrite the samples to gather)
+        self._mixed_memo = (b, rows)
+        return rows
 
     def _replay_continuation(self, runner: GraphRunner, b: StepBatch,
                              src_rows: np.ndarray | None, procs: bool) -> int:

@@ -11,15 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import LLM
+from engine import LLM, SamplingParams
 from engine.model.synthetic import write_checkpoint
 from tests.gpu.helpers import report
 from tests.test_async_scheduling import (
+    _ahead,
     _counting,
     _deferred_count,
     _launches,
     _proc_workload,
     _same,
+    _steps,
     _workload,
 )
 
@@ -52,6 +54,44 @@ def test_async_scheduling_equals_synchronous_on_cuda(model_dir):
     assert llm.engine.block_manager.gauges()["live"] == 0
     report({"test": "async_equals_sync_cuda", "continuations": seen[0], "ends": seen[1],
             "graph_steps": st.graph_steps, "steps": st.steps})
+
+
+def test_mixed_steps_launched_ahead_equal_synchronous_on_cuda(model_dir):
+    """Steps with prompt tokens beside decode rows (admissions and chunks under the 128-token
+    mixed-step cap) are planned while the step before runs and replay their mixed-step graph
+    behind it: the decode rows' input tokens gathered on the device from its samples, the
+    prompt tokens from the host. Greedy and seeded, ended by length: the outputs token for
+    token and the steps row for row those of synchronous scheduling."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng = np.random.default_rng(seed)
+    n = 48
+    prompts = [rng.integers(5, 3000, int(rng.integers(8, 200))).tolist() for _ in range(n)]
+    params = [SamplingParams(max_tokens=int(rng.integers(4, 40)), ignore_eos=True,
+                             temperature=float(rng.choice([0.0, 0.9])),
+                             seed=int(rng.integers(1 << 30))) for _ in range(n)]
+    opts = dict(backend="cuda", max_num_seqs=16, max_model_len=512,
+                num_gpu_blocks_override=16 * 32 + 8)
+    sync = LLM(str(model_dir), async_scheduling=False, **opts)
+    want_steps = _steps(sync)
+    want = sync.generate(prompts, params)
+    del sync
+    llm = LLM(str(model_dir), async_scheduling=True, **opts)
+    got_steps, ahead = _steps(llm), _ahead(llm)
+    ex = llm.engine.executor
+    launch = ex.launch
+    mixed = [0]
+
+    def spy(b, src_rows=None):
+        mixed[0] += not b.is_decode and ex._mixed_async(b) is not None
+        return launch(b, src_rows)
+
+    ex.launch = spy
+    _same(llm.generate(prompts, params), want, f"seed {seed}")
+    assert got_steps == want_steps, f"seed {seed}"
+    assert ahead[0] > 0 and mixed[0] > 0, (ahead, mixed)
+    assert llm.engine.block_manager.gauges()["live"] == 0
+    report({"test": "mixed_ahead_equal_sync_cuda", "planned_ahead": ahead[0],
+            "mixed_launched_ahead": mixed[0], "steps": len(got_steps)})
 
 
 def _proc_want(model_dir, n: int, min_tokens: bool = True):
