@@ -168,3 +168,14 @@ def test_the_kv_lift_does_not_leave_the_graphs_for_a_few_tokens(monkeypatch) -> 
     assert waves["tok_s"] > 1.02 * waves0["tok_s"]
     assert waves["itl_p99_x"] < waves0["itl_p99_x"]
     assert burst["ttft_mean_ms"] <= 1.05 * burst0["ttft_mean_ms"]
+
+
+def test_plan_ahead_takes_the_host_share_off_mixed_steps() -> None:
+    """``--plan-ahead`` (the engine's default, CUTEINFER_PLAN_AHEAD): a mixed step planned while
+    the step before runs pays no host share; the same steps run, only faster."""
+    w = ("--num-prompts", "96", "--output-len", "32")
+    on, off = run(*w), run(*w, "--plan-ahead", "0")
+    (n, ms), (n0, ms0) = on["steps"]["mixed"], off["steps"]["mixed"]
+    assert n == n0 > 0 and ms == pytest.approx(ms0 - S.COSTS["qwen3-8b"].sync, abs=0.3)
+    assert on["steps"]["eager"] == off["steps"]["eager"]
+    assert on["tok_s"] > off["tok_s"]

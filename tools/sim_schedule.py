@@ -87,7 +87,7 @@ def step_ms(c: Costs, out: SchedulerOutput, continuation: bool) -> tuple[float, 
     kv_p = sum(s.num_new * s.start + s.num_new * (s.num_new + 1) // 2 for s in p)
     if rows <= MIXED_BUCKETS[-1] and (kv_p <= MIXED_KV_TOKENS or kv_p <= kv_d):
         bucket = next(b for b in MIXED_BUCKETS if b >= rows)
-        return c.graph(bucket, kv_d + kv_p) + c.sync, "mixed"
+        return c.graph(bucket, kv_d + kv_p) + (0.0 if continuation else c.sync), "mixed"
     # eager: the prefill kernel reads a chunk's context once per 64-row tile, and the decode
     # rows through the decode kernel
     kv_e = kv_d + sum(-(-s.num_new // 64) * (s.start + s.num_new) for s in p)
@@ -128,7 +128,7 @@ def simulate(a: argparse.Namespace, scheduler_cls: type[Scheduler] = Scheduler) 
     times: dict[str, list[float]] = {}
     kinds: dict[str, list[float]] = {"decode": [], "mixed": [], "eager": []}
     n = 0
-    prev_decode = False
+    prev_decode = prev_any = False
     while arrivals or sched.has_work():
         while arrivals and arrivals[0][0] <= now:
             t, prompt = arrivals.pop(0)
@@ -141,13 +141,18 @@ def simulate(a: argparse.Namespace, scheduler_cls: type[Scheduler] = Scheduler) 
             times[rid] = []
         if not sched.has_work():
             now = arrivals[0][0]
+            prev_any = False
             continue
         out = sched.schedule()
         if not out.seqs:
             now += 0.1
             continue
         plain = all(s.num_new == 1 for s in out.seqs)
-        ms, kind = step_ms(costs, out, continuation=plain and prev_decode)
+        # planned while the step before runs (async scheduling): decode steps after decode
+        # steps; with plan-ahead, every step after one (the engine's default)
+        ms, kind = step_ms(costs, out, continuation=(plain and prev_decode)
+                           or (a.plan_ahead and prev_any))
+        prev_any = True
         prev_decode = plain
         kinds[kind].append(ms)
         now += ms
@@ -196,6 +201,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--input-len-max", type=int, default=None,
                     help="waves: prompt lengths uniform in [input-len, this]")
     ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--plan-ahead", type=int, default=1,
+                    help="1: steps with prompt tokens are planned while the step before runs "
+                         "(CUTEINFER_PLAN_AHEAD, the default), 0: only decode steps after "
+                         "decode steps")
     ap.add_argument("--prefix-len", type=int, default=3000)
     ap.add_argument("--prefixes", type=int, default=2)
     ap.add_argument("--client-delay-ms", type=float, default=2.0)
