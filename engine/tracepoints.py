@@ -5,7 +5,9 @@ to it (``time.perf_counter``: CLOCK_MONOTONIC, the clock of the step trace and o
 clients), line-buffered. Events: ``http`` (the ASGI app got a request), ``add`` (the handler
 queued it for the engine thread), ``drain`` (the engine thread added it), ``flush`` (the front
 end sent N commands to the core), ``core`` (the core received N commands), ``admitted`` (the
-core added them). Unset: ``mark`` is None and the call sites test that, nothing else runs."""
+core added them); and where a token is on its way out: ``deliver`` (the engine thread handed
+N streams their step's deltas), ``sse`` (a stream's handler yields a chunk; detail: the
+stream's key). Unset: ``mark`` is None and the call sites test that, nothing else runs."""
 
 from __future__ import annotations
 

@@ -53,3 +53,34 @@ def test_itl_tail_puts_each_sample_beside_its_steps() -> None:
     assert s["multi_step_windows"] == 0
     lo, mid, hi = s["jitter_ms_p1_p50_p99"]
     assert abs(mid) < 1e-3 and -1.01 < lo < 0 < hi < 1.01  # one chunk 1 ms late, its next one early
+
+
+def test_delivery_splits_the_way_out() -> None:
+    """20 plain steps of 5 ms; the front end hands each step's deltas out 0.3 ms after the step
+    ends and yields two streams' chunks 0.1 and 0.4 ms after that, the second stream's chunk of
+    step 10 1 ms late: the server's ITL, the lags and one step's chunk spread."""
+    import numpy as np
+
+    from tools.step_trace import delivery
+
+    lines, marks, t = [], [], 50.0
+    for i in range(20):
+        lines.append(_line(t, 5, i + 1, 2 * (i + 1), i + 1, 2))
+        end = t + 5e-3
+        marks.append(f"deliver {end + 3e-4:.6f} 7 2")
+        marks.append(f"sse {end + 4e-4:.6f} 7 111")
+        late = 1e-3 if i == 10 else 0.0
+        marks.append(f"sse {end + 7e-4 + late:.6f} 7 222")
+        t = end + 1e-4
+    d = delivery(lines, marks)
+    assert d["deliveries"] == 20 and d["streams"] == 2
+    si = d["server_itl"]
+    assert si["samples"] == 2 * 18 and abs(si["p50_ms"] - 5.1) < 1e-3
+    assert abs(si["max_x"] - 6.1 / 5.1) < 1e-3  # the late chunk's interval
+    lo, hi = d["step_end_to_deliver_ms_p50_p99"]
+    assert abs(lo - 0.3) < 1e-3 and abs(hi - 0.3) < 1e-3
+    p50, p99, mx = d["deliver_to_sse_ms_p50_p99_max"]
+    assert abs(mx - 1.4) < 1e-3 and 0.1 - 1e-3 < p50 < 0.4 + 1e-3
+    s50, s99 = d["step_chunk_spread_ms_p50_p99"]
+    assert abs(s50 - 0.3) < 1e-3 and s99 > 0.3
+    assert np.isfinite(p99)

@@ -11,6 +11,8 @@ set -uo pipefail
 source "$(dirname "$0")/gpu_lib.sh"
 P=$1; PORT=8321; export PYTHONUNBUFFERED=1; TAG=${TAG:-}
 export CUTEINFER_STEP_TRACE=$OUT/trace_$P$TAG.txt
+# SSE_TRACE=1: the front end's delivery tracepoints too (step_trace's ``delivery``)
+[ "${SSE_TRACE:-0}" = 1 ] && export CUTEINFER_ADMIT_TRACE=$OUT/admit_$P$TAG.txt
 CK=/tmp/ck_$P
 [ -f $CK/config.json ] || python3 -m tools.make_checkpoint --preset $P --out $CK --max-shard-size 8 --tokenizer 2>&1 | tail -1
 t0=$(date +%s.%N)
@@ -26,9 +28,11 @@ for kind in ${KINDS:-words ids}; do
 done
 curl -s http://127.0.0.1:$PORT/metrics 2>/dev/null | grep -E "^cuteinfer.*(steps|preempt)" | head -5
 kill -INT $spid; wait $spid; echo "serve exit $?"; tail -3 "$OUT/serve_$P$TAG.log"
-unset CUTEINFER_STEP_TRACE
+unset CUTEINFER_STEP_TRACE CUTEINFER_ADMIT_TRACE
 REQ=""; case "${BENCH_ARGS:-}" in *--save-detailed*) REQ="--requests $OUT/serve_$P${TAG}_${KINDS%% *}.json";; esac
+[ -f "$OUT/admit_$P$TAG.txt" ] && REQ="$REQ --admit-trace $OUT/admit_$P$TAG.txt"
 python3 -m tools.step_trace "$OUT/trace_$P$TAG.txt" $REQ --json "$OUT/steps_$P$TAG.json" > /dev/null 2>&1
-python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k: d[k] for k in ('graph', 'eager', 'itl_tail') if k in d}))" "$OUT/steps_$P$TAG.json" 2>&1 | tail -3
+rm -f "$OUT/admit_$P$TAG.txt"  # (large: its summary is in steps_*.json)
+python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(json.dumps({k: d[k] for k in ('graph', 'eager', 'itl_tail', 'delivery') if k in d}))" "$OUT/steps_$P$TAG.json" 2>&1 | tail -3
 [ "${OFFLINE:-1}" = 0 ] || timeout 240 python3 -m tools.bench_offline --model $CK --num-prompts ${PROMPTS:-320} ${OFFLINE_ARGS:-} --out "$OUT/offline_$P$TAG.json" 2>&1 | tail -1
 [ "${REPLAY:-1}" = 0 ] || timeout 200 python3 -m tools.bench_decode --preset $P --batch 1,64 --ctx 256 --out "$OUT/replay_$P$TAG.json" 2>&1 | grep -v Warning | tail -3

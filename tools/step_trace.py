@@ -1,6 +1,6 @@
 """Break a serving run down by step from the engine's step trace (``CUTEINFER_STEP_TRACE``).
 
-    python -m tools.step_trace TRACE [--requests SERVE.json] [--json OUT]
+    python -m tools.step_trace TRACE [--requests SERVE.json] [--admit-trace FILE] [--json OUT]
 
 Each trace line (engine/engine.py ``LLMEngine.step``): start and end (perf_counter), then the
 cumulative steps, tokens and graph steps, then the running and waiting counts after the step,
@@ -17,6 +17,10 @@ chunks, and the tail is told apart by the slowest kind among them (``itl_tail``)
 samples at or over p99 and over 1.5x the median span an eager, a mixed-graph or only plain
 decode steps, the p99 without the eager ones, and the delivery jitter (a one-step sample less
 the engine's interval that step ended).
+
+``--admit-trace``: the ``CUTEINFER_ADMIT_TRACE`` file of the same run (engine/tracepoints.py):
+the server's own ITL and the front end's lags (``delivery``), to tell the jitter the front end
+adds from the client's.
 """
 
 from __future__ import annotations
@@ -130,11 +134,56 @@ def itl_tail(lines: list[str], requests: list[dict]) -> dict:
     return out
 
 
+def delivery(lines: list[str], marks: list[str]) -> dict:
+    """Where the front end spends a token's way out (``--admit-trace``: ``deliver`` and ``sse``
+    tracepoints of the same run): the server's own ITL (the time between two chunks of a stream
+    as its handler yields them: the client's ITL less the client's share), the lag from a
+    step's end in the core to the front end handing its deltas out (``deliver``), from there to
+    each chunk (``sse``), and the spread of one step's chunks (the first to the last)."""
+    t1 = _rows(lines)[:, 1]
+    deliver, sse = [], {}
+    for ln in marks:
+        f = ln.split()
+        if len(f) < 3:
+            continue
+        if f[0] == "deliver":
+            deliver.append(float(f[1]))
+        elif f[0] == "sse":
+            sse.setdefault(f[3] if len(f) > 3 else "", []).append(float(f[1]))
+    out: dict = {"deliveries": len(deliver), "streams": len(sse)}
+    gaps = [np.diff(v[1:]) for v in sse.values() if len(v) > 2]  # (the first: role / TTFT)
+    if gaps:
+        g = np.concatenate(gaps) * 1e3
+        med = float(np.median(g))
+        out["server_itl"] = {"samples": int(g.size), "p50_ms": med,
+                             "p99_x": float(np.percentile(g, 99)) / med,
+                             "max_x": float(g.max()) / med}
+    if deliver:
+        d = np.array(deliver)
+        i = np.searchsorted(t1, d, "right") - 1
+        ok = i >= 0
+        lag = (d[ok] - t1[i[ok]]) * 1e3
+        out["step_end_to_deliver_ms_p50_p99"] = [float(x) for x in np.percentile(lag, [50, 99])]
+        at = np.concatenate(list(sse.values())) if sse else np.zeros(0)
+        j = np.searchsorted(d, at, "right") - 1
+        ok = j >= 0
+        if ok.any():
+            lag = (at[ok] - d[j[ok]]) * 1e3
+            out["deliver_to_sse_ms_p50_p99_max"] = [float(x) for x in
+                                                   np.percentile(lag, [50, 99, 100])]
+            spread = [float(np.ptp(lag[j[ok] == k])) for k in np.unique(j[ok])]
+            out["step_chunk_spread_ms_p50_p99"] = [float(x) for x in
+                                                  np.percentile(spread, [50, 99])]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("trace")
     ap.add_argument("--requests", default=None,
                     help="bench_serving --save-detailed JSON of the same run: the ITL tail")
+    ap.add_argument("--admit-trace", default=None,
+                    help="CUTEINFER_ADMIT_TRACE file of the same run: the delivery breakdown")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     with open(a.trace) as f:
@@ -143,6 +192,9 @@ def main() -> None:
     if a.requests:
         with open(a.requests) as f:
             s["itl_tail"] = itl_tail(lines, json.load(f)["requests"])
+    if a.admit_trace:
+        with open(a.admit_trace) as f:
+            s["delivery"] = delivery(lines, f.readlines())
     text = json.dumps(s, indent=1)
     print(text)
     if a.json:

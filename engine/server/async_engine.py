@@ -282,6 +282,8 @@ class AsyncEngine:
                 eng.pop_finished(rid)
                 if self.on_finish is not None:
                     self.on_finish(req)
+        if tracepoints.mark is not None and posts:
+            tracepoints.mark("deliver", len(posts))
         deliver(posts)
 
     def _take_streams(self) -> list[RequestStream]:

@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from engine import tracepoints
 from engine.engine import RequestError
 from engine.request import LogprobDict
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -324,8 +325,11 @@ def _sse_response(chunks: AsyncIterator[bytes], group: ChoiceGroup,
                   request: Request) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         watcher = asyncio.ensure_future(_abort_on_disconnect(request, group))
+        key = id(group)
         try:
             async for c in chunks:
+                if tracepoints.mark is not None:
+                    tracepoints.mark("sse", key)
                 yield c
         finally:
             watcher.cancel()
