@@ -289,10 +289,13 @@ def test_interleaved_adds_aborts_and_steps_hypothesis(tiny: Path) -> None:
 
     from engine.args import EngineArgs
 
-    def engine(async_on: bool) -> LLMEngine:
+    from engine.kv.invariants import check_invariants
+
+    def engine(async_on: bool, cap: int) -> LLMEngine:
         return LLMEngine(EngineArgs(model=str(tiny), backend="numpy", max_num_seqs=3,
                                     num_gpu_blocks_override=14, max_model_len=96,
-                                    max_num_batched_tokens=48, async_scheduling=async_on))
+                                    max_num_batched_tokens=48, async_scheduling=async_on,
+                                    mixed_step_tokens=cap))
 
     op = st.one_of(
         st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 30), st.booleans(),
@@ -301,9 +304,9 @@ def test_interleaved_adds_aborts_and_steps_hypothesis(tiny: Path) -> None:
         st.tuples(st.just("step"), st.integers(1, 6)))
 
     @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(st.lists(op, min_size=1, max_size=24))
-    def run(ops):
-        a, s = engine(True), engine(False)
+    @given(st.lists(op, min_size=1, max_size=24), st.sampled_from([0, 8, 16]))
+    def run(ops, cap):  # cap: mixed_step_tokens (steps with prompt tokens planned ahead)
+        a, s = engine(True, cap), engine(False, cap)
         ra, rs, aborted = [], [], set()
         for o in ops:
             if o[0] == "add":
@@ -322,6 +325,7 @@ def test_interleaved_adds_aborts_and_steps_hypothesis(tiny: Path) -> None:
                 for _ in range(o[1]):
                     if a.has_unfinished():
                         a.step()
+                        check_invariants(a.block_manager)  # (between calls: a step in flight)
                     if s.has_unfinished():
                         s.step()
         for e in (a, s):
