@@ -139,3 +139,50 @@ def test_mixed_buckets_follow_the_config(tmp_path: Path, monkeypatch) -> None:
     assert Sizes.of(mc, ec).b_max == 8 and mixed_buckets(ec, Sizes.of(mc, ec)) == []
     ec = cfg(max_num_seqs=8)
     assert Sizes.of(mc, ec).b_max == 8 and mixed_buckets(ec, Sizes.of(mc, ec)) == []
+
+
+def _async_fake(captured: tuple[int, ...], dflash: object = None):
+    """A stand-in of the cuda executor's mixed-step parts: buckets 16-128, ``captured`` of
+    them captured; records the uploads, replays and downloads ``launch`` makes."""
+    bks = (16, 32, 64, 96, 128)
+    calls: list[tuple] = []
+    plan = types.SimpleNamespace(bucket=lambda t: next((b for b in bks if b >= t), None))
+    mixed = types.SimpleNamespace(buckets=bks, can_replay=lambda t: t <= bks[-1], plan=plan,
+                                  graphs=dict.fromkeys(captured),
+                                  replay=lambda bk: calls.append(("replay", bk)))
+    ex = types.SimpleNamespace(
+        mixed=mixed, mixed_eager=(), token_rows=CudaExecutor.token_rows, dflash=dflash,
+        graphs=None, _mixed_memo=None, _async_ok=CudaExecutor._async_ok,
+        _check=lambda b: None,
+        upload_step=lambda rows, pad_to, src_rows: calls.append(
+            ("upload", rows.num_tokens, pad_to, src_rows)),
+        _download_async=lambda n: calls.append(("download", n)) or "in flight")
+    ex.mixed_rows = lambda b: CudaExecutor.mixed_rows(ex, b)
+    ex._mixed_async = lambda b: CudaExecutor._mixed_async(ex, b)
+    return ex, calls
+
+
+def test_a_mixed_step_is_launched_behind_the_step_in_flight() -> None:
+    """Async scheduling (``launch``): a mixed step whose bucket's graph is captured goes up as
+    its token rows, its decode rows' tokens gathered from the previous samples (``src_rows``,
+    per token), and replays without waiting; its samples come back behind an event. One with
+    processors, logprobs, a drafter, nothing to sample or an uncaptured bucket runs at once."""
+    rng = np.random.default_rng()
+    b = _mixed(rng, 4000, 1000, 64, [40])
+    t, n = b.num_tokens, b.sample_token_idx.shape[0]
+    src = np.concatenate([np.arange(64), np.full(40, -1)]).astype(np.int64)
+    rng.shuffle(src[:64])
+    ex, calls = _async_fake((64, 128))
+    assert CudaExecutor.launches_async(ex, b)
+    assert CudaExecutor.launch(ex, b, src) == "in flight"
+    (up, up_t, pad, got_src), replay, down = calls
+    assert up == "upload" and up_t == t == 104 and pad == 128 and got_src is src
+    assert replay == ("replay", 128) and down == ("download", n)
+    assert not CudaExecutor.launches_async(_async_fake((64, 96))[0], b)  # 128 not captured
+    assert not CudaExecutor.launches_async(_async_fake((128,), dflash=object())[0], b)
+    assert not CudaExecutor.launches_async(ex, dataclasses.replace(
+        b, num_logprobs=np.zeros(n, np.int32)))
+    assert not CudaExecutor.launches_async(ex, dataclasses.replace(b, procs=object()))
+    alone = _mixed(rng, 4000, 1000, 0, [30])  # a chunk that finishes no prompt: no sample row
+    alone = dataclasses.replace(alone, sample_token_idx=np.zeros(0, np.int32))
+    assert not CudaExecutor.launches_async(ex, alone)

@@ -869,15 +869,15 @@ class CudaExecutor(Executor):
 
     def _mixed_async(self, b: StepBatch) -> StepBatch | None:
         """``b``'s token rows (``mixed_rows``) when ``launch`` leaves it running in a captured
-        mixed-step graph: no logits processors or logprobs, no DFlash drafter (each step
-        releases its drafts: those run through ``execute``)."""
+        mixed-step graph: rows to sample, no logits processors or logprobs, no DFlash drafter
+        (each step releases its drafts: those run through ``execute``)."""
         memo = self._mixed_memo
         if memo is not None and memo[0] is b:
             return memo[1]
         m = self.mixed
         rows = None
         if (m is not None and self.dflash is None and not b.is_decode and b.procs is None
-                and not (b.num_logprobs >= 0).any()):
+                and b.sample_token_idx.shape[0] and not (b.num_logprobs >= 0).any()):
             rows = self.mixed_rows(b)
             if rows is not None and m.plan.bucket(rows.num_tokens) not in m.graphs:
                 rows = None  # (a lazy capture would overwrite the samples to gather)
