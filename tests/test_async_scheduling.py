@@ -288,7 +288,6 @@ def test_interleaved_adds_aborts_and_steps_hypothesis(tiny: Path) -> None:
     from hypothesis import strategies as st
 
     from engine.args import EngineArgs
-
     from engine.kv.invariants import check_invariants
 
     def engine(async_on: bool, cap: int) -> LLMEngine:
