@@ -254,7 +254,7 @@ class Scheduler:
                                cfg.max_model_len)
         except PageRefOverflowError:
             return self._undo(seqs)
-        if cfg.mixed_step_tokens and cfg.enable_chunked_prefill:
+        if self._budgeted():
             self.budget_steps += 1  # a step with a prompt budget, as ``_prompt_budget`` counts
         return SchedulerOutput(tuple(seqs))
 
@@ -324,6 +324,12 @@ class Scheduler:
             return None
         return self._output(seqs, [])
 
+    def _budgeted(self) -> bool:
+        """Whether steps beside running requests have a mixed-step prompt budget (counted in
+        ``budget_steps``)."""
+        cfg = self.config
+        return bool(cfg.mixed_step_tokens and cfg.enable_chunked_prefill and self.running)
+
     def _prompt_budget(self, budget: int) -> int:
         """Prompt tokens this step may compute: all of the budget, or mixed_prefill_tokens when
         a running request decodes (its next token waits for this step); and, with
@@ -349,7 +355,7 @@ class Scheduler:
         mpt, t = cfg.mixed_prefill_tokens, cfg.mixed_step_tokens
         if not (mpt or t) or not cfg.enable_chunked_prefill or not self.running:
             return budget
-        if not t:  # whether one request decodes (the first nearly always does: one look)
+        if not self._budgeted():  # whether one request decodes (nearly always the first)
             if not any(r.num_computed_tokens >= r.num_prompt_tokens for r in self.running):
                 return budget
             return min(budget, mpt)

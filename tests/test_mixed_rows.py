@@ -159,6 +159,7 @@ def _async_fake(captured: tuple[int, ...], dflash: object = None):
         _download_async=lambda n: calls.append(("download", n)) or "in flight")
     ex.mixed_rows = lambda b: CudaExecutor.mixed_rows(ex, b)
     ex._mixed_async = lambda b: CudaExecutor._mixed_async(ex, b)
+    ex._decode_async = lambda b: CudaExecutor._decode_async(ex, b)
     return ex, calls
 
 

@@ -171,7 +171,10 @@ def delivery(lines: list[str], marks: list[str]) -> dict:
             lag = (at[ok] - d[j[ok]]) * 1e3
             out["deliver_to_sse_ms_p50_p99_max"] = [float(x) for x in
                                                    np.percentile(lag, [50, 99, 100])]
-            spread = [float(np.ptp(lag[j[ok] == k])) for k in np.unique(j[ok])]
+            order = np.argsort(j[ok], kind="stable")  # chunks grouped by their delivery
+            g, lg = j[ok][order], lag[order]
+            first = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+            spread = np.maximum.reduceat(lg, first) - np.minimum.reduceat(lg, first)
             out["step_chunk_spread_ms_p50_p99"] = [float(x) for x in
                                                   np.percentile(spread, [50, 99])]
     return out

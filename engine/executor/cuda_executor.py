@@ -828,9 +828,10 @@ class CudaExecutor(Executor):
 
     # -- async scheduling ------------------------------------------------------------------------
     def launch(self, b: StepBatch, src_rows: np.ndarray | None = None) -> Any:
-        """A decode step that replays its bucket's graph is enqueued and left running: its
-        input tokens of ``src_rows`` come from the previous step's samples on the device (the
-        embedding gathers them, ``upload``), its samples go to a pinned buffer behind an event
+        """A decode step that replays its bucket's graph, or a mixed step its rows' graph
+        (``_mixed_async``), is enqueued and left running: its input tokens of ``src_rows``
+        (per token) come from the previous step's samples on the device (the embedding
+        gathers them, ``upload``), its samples go to a pinned buffer behind an event
         (``finish`` waits). Any other step runs now (``execute``; a continuation's tokens are
         then taken from the previous step's output on the host)."""
         n = b.num_seqs
@@ -842,9 +843,7 @@ class CudaExecutor(Executor):
             self.upload_step(rows, pad_to=bucket, src_rows=src_rows)
             m.replay(bucket)
             return self._download_async(b.sample_token_idx.shape[0])
-        # (a bucket still to capture lazily runs synchronously: its warm-up step would
-        # overwrite the previous step's samples before they are gathered)
-        if not (self._async_ok(b) and g is not None and g.plan.bucket(n) in g.graphs):
+        if not self._decode_async(b):
             if src_rows is not None:
                 prev = self._last_tokens()
                 take = src_rows >= 0
@@ -863,9 +862,14 @@ class CudaExecutor(Executor):
 
     def launches_async(self, b: StepBatch) -> bool:
         """Whether ``launch`` leaves ``b`` running (else it runs it at once)."""
+        return self._decode_async(b) or self._mixed_async(b) is not None
+
+    def _decode_async(self, b: StepBatch) -> bool:
+        """A decode step ``launch`` leaves running in its bucket's captured graph (a bucket
+        still to capture lazily runs synchronously: its warm-up step would overwrite the
+        previous step's samples before they are gathered)."""
         g = self.graphs
-        return (self._async_ok(b) and g is not None and g.plan.bucket(b.num_seqs) in g.graphs
-                ) or self._mixed_async(b) is not None
+        return self._async_ok(b) and g is not None and g.plan.bucket(b.num_seqs) in g.graphs
 
     def _mixed_async(self, b: StepBatch) -> StepBatch | None:
         """``b``'s token rows (``mixed_rows``) when ``launch`` leaves it running in a captured
